@@ -1,0 +1,1 @@
+"""effectfence: exactly-once fence for side effects."""
