@@ -1,0 +1,261 @@
+"""Effect certificates: a content-addressed record of every effect that ran.
+
+The hash is the lowercase hex SHA-256 of the RFC 8785 canonical JSON of an object holding
+the ten fields plus ``format``. Anyone holding a certificate can recompute it; any change
+to any field changes it (G10). ``parent`` chains a certificate to the one it was built on,
+so a list of certificates can be checked as a whole by :func:`verify_chain`.
+
+The format is frozen by ``tests/vectors/certs.json``: change a byte of the encoding and
+those vectors fail.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from effectfence.canonical import CanonicalError, canonical_bytes
+from effectfence.errors import InvalidRequest
+
+__all__ = ["CERT_FORMAT", "ChainReport", "EffectCert", "verify_chain"]
+
+CERT_FORMAT = "effectfence.cert/1"
+
+_FIELDS = (
+    "intent",
+    "parent",
+    "domain",
+    "seq",
+    "tool",
+    "args",
+    "result",
+    "vector_clock",
+    "read_set",
+    "agent",
+)
+
+
+def cert_body(
+    intent: str,
+    parent: str | None,
+    domain: str,
+    seq: int,
+    tool: str,
+    args: Any,
+    result: Any,
+    vector_clock: Mapping[str, int],
+    read_set: Sequence[tuple[str, int]],
+    agent: str,
+) -> dict[str, Any]:
+    """The object whose canonical form is hashed."""
+    return {
+        "format": CERT_FORMAT,
+        "intent": intent,
+        "parent": parent,
+        "domain": domain,
+        "seq": seq,
+        "tool": tool,
+        "args": args,
+        "result": result,
+        "vector_clock": dict(vector_clock),
+        "read_set": [[d, s] for d, s in read_set],
+        "agent": agent,
+    }
+
+
+def _hash_body(body: dict[str, Any]) -> str:
+    return hashlib.sha256(canonical_bytes(body)).hexdigest()
+
+
+class EffectCert:
+    """Proof that one effect ran, what it was built on, and what it returned."""
+
+    __slots__ = (
+        "agent",
+        "args",
+        "domain",
+        "hash",
+        "intent",
+        "parent",
+        "read_set",
+        "result",
+        "seq",
+        "tool",
+        "vector_clock",
+    )
+
+    intent: str
+    parent: str | None
+    domain: str
+    seq: int
+    tool: str
+    args: Any
+    result: Any
+    vector_clock: dict[str, int]
+    read_set: tuple[tuple[str, int], ...]
+    agent: str
+    hash: str
+
+    def __init__(
+        self,
+        *,
+        intent: str,
+        parent: str | None,
+        domain: str,
+        seq: int,
+        tool: str,
+        args: Any,
+        result: Any,
+        vector_clock: Mapping[str, int],
+        read_set: Iterable[tuple[str, int]],
+        agent: str,
+        hash: str | None = None,
+    ) -> None:
+        rs = tuple((d, s) for d, s in read_set)
+        vc = dict(vector_clock)
+        body = cert_body(intent, parent, domain, seq, tool, args, result, vc, rs, agent)
+        try:
+            computed = _hash_body(body)
+        except CanonicalError as exc:
+            raise InvalidRequest(f"certificate is not canonical JSON: {exc}") from exc
+        set_ = object.__setattr__
+        set_(self, "intent", intent)
+        set_(self, "parent", parent)
+        set_(self, "domain", domain)
+        set_(self, "seq", seq)
+        set_(self, "tool", tool)
+        set_(self, "args", args)
+        set_(self, "result", result)
+        set_(self, "vector_clock", vc)
+        set_(self, "read_set", rs)
+        set_(self, "agent", agent)
+        # A given hash is kept as-is so verify() can tell a tampered certificate apart.
+        set_(self, "hash", computed if hash is None else hash)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"EffectCert is immutable: cannot set {name!r}")
+
+    def body(self) -> dict[str, Any]:
+        return cert_body(
+            self.intent,
+            self.parent,
+            self.domain,
+            self.seq,
+            self.tool,
+            self.args,
+            self.result,
+            self.vector_clock,
+            self.read_set,
+            self.agent,
+        )
+
+    def compute_hash(self) -> str:
+        return _hash_body(self.body())
+
+    def verify(self) -> bool:
+        """Recompute the hash: False if any field (or the hash) was changed."""
+        try:
+            return self.compute_hash() == self.hash
+        except (CanonicalError, TypeError, ValueError):
+            return False
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON form, the same on the wire and in durable stores."""
+        d = self.body()
+        d["hash"] = self.hash
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> EffectCert:
+        """Parse a certificate from its JSON form; the hash is kept, not recomputed."""
+        if not isinstance(data, Mapping):
+            raise InvalidRequest("a certificate must be a JSON object")
+        fmt = data.get("format", CERT_FORMAT)
+        if fmt != CERT_FORMAT:
+            raise InvalidRequest(f"unknown certificate format {fmt!r}; expected {CERT_FORMAT!r}")
+        missing = [f for f in (*_FIELDS, "hash") if f not in data]
+        if missing:
+            raise InvalidRequest(f"certificate is missing fields: {', '.join(missing)}")
+        extra = sorted(set(data) - {*_FIELDS, "hash", "format"})
+        if extra:
+            raise InvalidRequest(f"certificate has unknown fields: {', '.join(extra)}")
+        _expect(data, "intent", str)
+        _expect(data, "domain", str)
+        _expect(data, "tool", str)
+        _expect(data, "agent", str)
+        _expect(data, "hash", str)
+        if data["parent"] is not None:
+            _expect(data, "parent", str)
+        if type(data["seq"]) is not int:
+            raise InvalidRequest("certificate field 'seq' must be an integer")
+        vc = data["vector_clock"]
+        if not isinstance(vc, Mapping) or not all(
+            type(k) is str and type(v) is int for k, v in vc.items()
+        ):
+            raise InvalidRequest("certificate field 'vector_clock' must map agents to integers")
+        rs = data["read_set"]
+        if not isinstance(rs, list | tuple) or not all(
+            isinstance(e, list | tuple) and len(e) == 2 and type(e[0]) is str and type(e[1]) is int
+            for e in rs
+        ):
+            raise InvalidRequest("certificate field 'read_set' must be a list of [domain, seq]")
+        return cls(
+            intent=data["intent"],
+            parent=data["parent"],
+            domain=data["domain"],
+            seq=data["seq"],
+            tool=data["tool"],
+            args=data["args"],
+            result=data["result"],
+            vector_clock=vc,
+            read_set=[(d, s) for d, s in rs],
+            agent=data["agent"],
+            hash=data["hash"],
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, EffectCert):
+            return NotImplemented
+        return self.hash == other.hash and self.body() == other.body()
+
+    def __hash__(self) -> int:
+        return hash(self.hash)
+
+    def __repr__(self) -> str:
+        # Never print args or result: they may carry card numbers or secrets.
+        return (
+            f"EffectCert(intent={self.intent!r}, domain={self.domain!r}, seq={self.seq}, "
+            f"hash={self.hash[:16]!r}...)"
+        )
+
+
+def _expect(data: Mapping[str, Any], field: str, typ: type) -> None:
+    if type(data[field]) is not typ:
+        raise InvalidRequest(f"certificate field {field!r} must be {typ.__name__}")
+
+
+@dataclass(frozen=True, slots=True)
+class ChainReport:
+    """What :func:`verify_chain` found; ``broken_at`` is the first bad index."""
+
+    ok: bool
+    length: int
+    broken_at: int | None = None
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+def verify_chain(certs: Sequence[EffectCert]) -> ChainReport:
+    """Every certificate verifies and each one's parent is the hash of the one before."""
+    for i, cert in enumerate(certs):
+        if not cert.verify():
+            return ChainReport(False, len(certs), i, f"certificate {i} does not verify")
+        if i and cert.parent != certs[i - 1].hash:
+            return ChainReport(
+                False, len(certs), i, f"certificate {i} does not follow certificate {i - 1}"
+            )
+    return ChainReport(True, len(certs))

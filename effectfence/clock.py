@@ -1,0 +1,114 @@
+"""Vector clocks: which effects could have known about which.
+
+A ticket's clock is the caller's ``known_clock`` merged with the clock of the last effect
+committed on the same domain, ticked at the agent. Effects on one domain are therefore
+totally ordered by ``le``; ``concurrent`` is only true across domains (or for callers that
+withheld what they knew), which is exactly what an auditor wants to see.
+
+Clocks are immutable: every operation returns a new clock, so a clock inside a certificate
+can never change under it. Zero entries are dropped, so equal clocks have one canonical form.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from effectfence.canonical import sha256_hex
+
+__all__ = ["VectorClock"]
+
+
+class VectorClock(Mapping[str, int]):
+    """agent -> counter, immutable, with the partial order of causality."""
+
+    __slots__ = ("_c",)
+
+    _c: dict[str, int]
+
+    def __init__(self, counters: Mapping[str, int] | None = None) -> None:
+        clean: dict[str, int] = {}
+        if counters:
+            for agent, n in counters.items():
+                if type(agent) is not str or not agent:
+                    raise ValueError(f"vector clock agent must be a non-empty str, got {agent!r}")
+                if type(n) is not int or n < 0:
+                    raise ValueError(f"vector clock counter for {agent!r} must be an int >= 0")
+                if n:
+                    clean[agent] = n
+        self._c = clean
+
+    @classmethod
+    def _trusted(cls, counters: dict[str, int]) -> VectorClock:
+        """Build without validation from a dict this module produced."""
+        vc = cls.__new__(cls)
+        vc._c = counters
+        return vc
+
+    # Mapping protocol -------------------------------------------------------------------
+    def __getitem__(self, agent: str) -> int:
+        return self._c[agent]
+
+    def get(self, agent: str, default: Any = 0) -> Any:  # missing agents are at 0
+        return self._c.get(agent, default)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._c)
+
+    def __len__(self) -> int:
+        return len(self._c)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, VectorClock):
+            return self._c == other._c
+        if isinstance(other, Mapping):
+            return self._c == {k: v for k, v in other.items() if v}
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._c.items()))
+
+    def __repr__(self) -> str:
+        return f"VectorClock({self._c!r})"
+
+    # Causality --------------------------------------------------------------------------
+    def tick(self, agent: str) -> VectorClock:
+        """One more event at ``agent``."""
+        if type(agent) is not str or not agent:
+            raise ValueError(f"vector clock agent must be a non-empty str, got {agent!r}")
+        c = dict(self._c)
+        c[agent] = c.get(agent, 0) + 1
+        return VectorClock._trusted(c)
+
+    def merge(self, other: Mapping[str, int]) -> VectorClock:
+        """Element-wise maximum: everything either side knew."""
+        oc = other._c if isinstance(other, VectorClock) else VectorClock(other)._c
+        if not oc:
+            return self
+        if not self._c:
+            return other if isinstance(other, VectorClock) else VectorClock._trusted(oc)
+        c = dict(self._c)
+        for agent, n in oc.items():
+            if n > c.get(agent, 0):
+                c[agent] = n
+        return VectorClock._trusted(c)
+
+    def le(self, other: Mapping[str, int]) -> bool:
+        """True when every event this clock knows, ``other`` knows too."""
+        og = other.get
+        return all(n <= og(agent, 0) for agent, n in self._c.items())
+
+    def lt(self, other: Mapping[str, int]) -> bool:
+        """Happened-before: ``le`` and not equal."""
+        return self.le(other) and self != other
+
+    def concurrent(self, other: Mapping[str, int]) -> bool:
+        """Neither knew of the other."""
+        return not self.le(other) and not VectorClock(other).le(self)
+
+    def to_dict(self) -> dict[str, int]:
+        return dict(self._c)
+
+    def digest(self) -> str:
+        """SHA-256 of the RFC 8785 form: equal clocks, equal digests, on any host."""
+        return sha256_hex(self._c)

@@ -1,0 +1,264 @@
+"""``@fenced``: run a plain function once per intent; duplicates get the recorded result.
+
+The decorator is a driver like any other: prepare, run, then commit (the result becomes
+the certificate's ``result``), abort (an exception: the outcome is unknown, G9), or release
+(an exception type declared "did not fire": a retry may run it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, ParamSpec, TypeVar, cast
+
+from effectfence.cert import EffectCert
+from effectfence.errors import IntentInFlight, InvalidRequest, Refusal
+from effectfence.fence import EffectFence
+from effectfence.model import EffectRequest, PreparedEffect
+
+__all__ = ["FencedCall", "fenced"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+Template = str | Callable[..., str]
+
+
+class FencedCall:
+    """What one fenced call did: its result, the certificate, and whether it ran here."""
+
+    __slots__ = ("cert", "fresh", "result")
+
+    def __init__(self, result: Any, cert: EffectCert, fresh: bool) -> None:
+        self.result = result
+        self.cert = cert
+        self.fresh = fresh
+
+    def __repr__(self) -> str:
+        return f"FencedCall(fresh={self.fresh}, cert={self.cert!r})"
+
+
+def _renderer(template: Template, what: str) -> Callable[[dict[str, Any]], str]:
+    if callable(template):
+        fn = template
+
+        def call(bound: dict[str, Any]) -> str:
+            value = fn(**bound)
+            if type(value) is not str or not value:
+                raise InvalidRequest(f"{what} callable must return a non-empty string")
+            return value
+
+        return call
+    if type(template) is not str or not template:
+        raise TypeError(f"{what} must be a non-empty str template or a callable")
+    fmt = template.format
+
+    def render(bound: dict[str, Any]) -> str:
+        try:
+            return fmt(**bound)
+        except (KeyError, IndexError, AttributeError) as exc:
+            raise InvalidRequest(f"{what} template {template!r} can't be filled: {exc}") from exc
+
+    return render
+
+
+def fenced(
+    fence: EffectFence,
+    *,
+    intent: Template,
+    domain: Template,
+    tool: str | None = None,
+    agent: Template = "anonymous",
+    args: Callable[..., Mapping[str, Any]] | None = None,
+    did_not_fire: tuple[type[BaseException], ...] = (),
+    wait: bool = False,
+    wait_timeout: float | None = None,
+    renew_every: float | None = None,
+) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """Fence a sync or async function.
+
+    ``intent``, ``domain`` and ``agent`` are ``str.format`` templates over the function's
+    bound arguments (``"charge:{order_id}"``) or callables taking them as keywords. ``args``
+    (default: the bound arguments) is the payload that makes two calls "the same action".
+    With ``wait``, a duplicate that finds the intent in flight waits for the holder (woken
+    by the fence, not polling) up to ``wait_timeout`` seconds, which must be shorter than
+    the lease, then returns the holder's result or raises its refusal. ``renew_every``
+    renews the lease in the background while a long function runs.
+    """
+    lease = fence.config.lease_ttl
+    if wait_timeout is None:
+        wait_timeout = lease / 2
+    if not 0 < wait_timeout < lease:
+        raise ValueError(f"wait_timeout must be > 0 and shorter than the lease ({lease}s)")
+    if renew_every is not None and not 0 < renew_every < lease:
+        raise ValueError(f"renew_every must be > 0 and shorter than the lease ({lease}s)")
+    if not isinstance(did_not_fire, tuple):
+        raise TypeError("did_not_fire must be a tuple of exception types")
+    render_intent = _renderer(intent, "intent")
+    render_domain = _renderer(domain, "domain")
+    render_agent = _renderer(agent, "agent")
+    timeout = float(wait_timeout)
+
+    def decorate(fn: Callable[P, R]) -> Callable[P, R]:
+        sig = inspect.signature(fn)
+        tool_name = tool or f"{fn.__module__}.{fn.__qualname__}"
+
+        def build(a: tuple[Any, ...], kw: dict[str, Any]) -> EffectRequest:
+            try:
+                b = sig.bind(*a, **kw)
+            except TypeError as exc:
+                raise InvalidRequest(f"{tool_name}: {exc}") from exc
+            b.apply_defaults()
+            bound = b.arguments
+            payload = dict(args(**bound)) if args is not None else dict(bound)
+            return EffectRequest(
+                render_intent(bound),
+                render_domain(bound),
+                tool_name,
+                payload,
+                render_agent(bound),
+            )
+
+        def finish_error(ticket: PreparedEffect, exc: BaseException) -> None:
+            if isinstance(exc, did_not_fire):
+                fence.release(ticket)
+            else:
+                fence.abort(ticket, f"{type(exc).__name__}: {exc}"[:1000])
+
+        def commit(ticket: PreparedEffect, result: Any) -> EffectCert:
+            try:
+                return fence.commit(ticket, result)
+            except InvalidRequest as exc:
+                # it ran, but its result can't be recorded: fence the intent, say why
+                fence.abort(ticket, f"result not recordable: {exc.message}"[:1000])
+                raise
+
+        if inspect.iscoroutinefunction(fn):
+            afn = cast(Callable[..., Any], fn)
+
+            async def acall(*a: Any, **kw: Any) -> FencedCall:
+                req = build(a, kw)
+                loop_deadline = asyncio.get_running_loop().time() + timeout
+                while True:
+                    try:
+                        adm = fence.prepare(req)
+                        break
+                    except IntentInFlight as exc:
+                        left = loop_deadline - asyncio.get_running_loop().time()
+                        if not wait or left <= 0:
+                            raise
+                        ev = fence.waiter(req.intent)
+                        if fence.intent_status(req.intent).state == "in_flight":
+                            pause = min(left, exc.retry_after or left)
+                            await asyncio.to_thread(ev.wait, pause)
+                if not adm.fresh:
+                    return FencedCall(adm.cert.result, adm.cert, False)
+                ticket = adm.ticket
+                renewer = _start_async_renewer(fence, ticket, renew_every)
+                try:
+                    result = await afn(*a, **kw)
+                except BaseException as exc:
+                    _stop(renewer)
+                    finish_error(ticket, exc)
+                    raise
+                _stop(renewer)
+                return FencedCall(result, commit(ticket, result), True)
+
+            @functools.wraps(fn)
+            async def awrapper(*a: Any, **kw: Any) -> Any:
+                return (await acall(*a, **kw)).result
+
+            awrapper.call_with_cert = acall  # type: ignore[attr-defined]
+            return cast(Callable[P, R], awrapper)
+
+        def call(*a: Any, **kw: Any) -> FencedCall:
+            req = build(a, kw)
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    adm = fence.prepare(req)
+                    break
+                except IntentInFlight as exc:
+                    left = deadline - time.monotonic()
+                    if not wait or left <= 0:
+                        raise
+                    ev = fence.waiter(req.intent)
+                    if fence.intent_status(req.intent).state == "in_flight":
+                        ev.wait(min(left, exc.retry_after or left))
+            if not adm.fresh:
+                return FencedCall(adm.cert.result, adm.cert, False)
+            ticket = adm.ticket
+            renewer = _start_thread_renewer(fence, ticket, renew_every)
+            try:
+                result = fn(*a, **kw)
+            except BaseException as exc:
+                _stop(renewer)
+                finish_error(ticket, exc)
+                raise
+            _stop(renewer)
+            return FencedCall(result, commit(ticket, result), True)
+
+        @functools.wraps(fn)
+        def wrapper(*a: Any, **kw: Any) -> Any:
+            return call(*a, **kw).result
+
+        wrapper.call_with_cert = call  # type: ignore[attr-defined]
+        return cast(Callable[P, R], wrapper)
+
+    return decorate
+
+
+class _Renewer:
+    __slots__ = ("stop", "task")
+
+    def __init__(self, stop: threading.Event | None, task: asyncio.Task[None] | None) -> None:
+        self.stop = stop
+        self.task = task
+
+
+def _stop(renewer: _Renewer | None) -> None:
+    if renewer is None:
+        return
+    if renewer.stop is not None:
+        renewer.stop.set()
+    if renewer.task is not None:
+        renewer.task.cancel()
+
+
+def _start_thread_renewer(
+    fence: EffectFence, ticket: PreparedEffect, every: float | None
+) -> _Renewer | None:
+    if every is None:
+        return None
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(every):
+            try:
+                fence.renew(ticket)
+            except Refusal:
+                return  # taken over or finished: commit will say so
+
+    threading.Thread(target=beat, name=f"effectfence-renew-{ticket.intent}", daemon=True).start()
+    return _Renewer(stop, None)
+
+
+def _start_async_renewer(
+    fence: EffectFence, ticket: PreparedEffect, every: float | None
+) -> _Renewer | None:
+    if every is None:
+        return None
+
+    async def beat() -> None:
+        while True:
+            await asyncio.sleep(every)
+            try:
+                fence.renew(ticket)
+            except Refusal:
+                return
+
+    return _Renewer(None, asyncio.get_running_loop().create_task(beat()))

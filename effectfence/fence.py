@@ -1,0 +1,539 @@
+"""EffectFence: the driver that runs the protocol against a store.
+
+The protocol (:mod:`effectfence.protocol`) decides; the store carries out one conditional
+step; this module wires them together, builds tickets and certificates, counts every
+attempt in exactly one statistics bucket, and wakes waiters. It does no I/O of its own:
+the memory store is in-process, and durable stores bring their own drivers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from effectfence.canonical import CanonicalError, canonical_bytes
+from effectfence.cert import EffectCert
+from effectfence.clock import VectorClock
+from effectfence.counters import new_table
+from effectfence.errors import (
+    REFUSAL_TYPES,
+    DomainRace,
+    IntentInFlight,
+    InvalidRequest,
+    InvalidTicket,
+    LeaseLost,
+    ReadSetStale,
+    Refusal,
+)
+from effectfence.model import Admission, EffectRequest, Fresh, PreparedEffect, Replay
+from effectfence.protocol import (
+    Action,
+    IntentRecord,
+    Row,
+    decide_prepare,
+    judge_ticket,
+    observe,
+    prepare_refusal,
+)
+from effectfence.store.base import FenceStore
+from effectfence.store.memory import MemoryStore
+
+__all__ = [
+    "DEFAULT_LEASE_TTL",
+    "DEFAULT_MAX_DEPTH",
+    "DEFAULT_MAX_PAYLOAD_BYTES",
+    "DEFAULT_RESULT_TTL",
+    "DEFAULT_SWEEP_INTERVAL",
+    "EffectFence",
+    "FenceConfig",
+    "IntentStatus",
+]
+
+DEFAULT_LEASE_TTL = 30.0
+DEFAULT_RESULT_TTL = 24 * 3600.0
+DEFAULT_SWEEP_INTERVAL = 1.0
+DEFAULT_SWEEP_BATCH = 10_000
+DEFAULT_MAX_PAYLOAD_BYTES = 1 << 20
+DEFAULT_MAX_DEPTH = 32
+_MAX_MOVES = 64  # a record that moves this often under one prepare is reported in flight
+
+PREPARE_BUCKETS = ("admitted", "replayed", *REFUSAL_TYPES)
+EVENT_BUCKETS = (
+    "commits",
+    "aborts",
+    "releases",
+    "renewals",
+    "takeovers",
+    "clears",
+    "reclaimed",
+    "stale_commits",
+    "refused_ticket_ops",
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FenceConfig:
+    """How long leases and results live, how the fence judges time, and its limits."""
+
+    lease_ttl: float = DEFAULT_LEASE_TTL
+    result_ttl: float = DEFAULT_RESULT_TTL
+    #: the memory store's clock (monotonic seconds); tests inject a fake one
+    clock: Callable[[], float] | None = None
+    #: sweep expired records on the way through prepare, every ``sweep_interval`` seconds
+    auto_sweep: bool = True
+    sweep_interval: float = DEFAULT_SWEEP_INTERVAL
+    sweep_batch: int = DEFAULT_SWEEP_BATCH
+    max_args_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    max_result_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    max_depth: int = DEFAULT_MAX_DEPTH
+    #: counter table for the memory store: "atomic", "pure" or None (environment / best)
+    counters: str | None = None
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.lease_ttl, int | float) and 0 < self.lease_ttl < math.inf):
+            raise ValueError(f"lease_ttl must be a finite number > 0, got {self.lease_ttl!r}")
+        if not (isinstance(self.result_ttl, int | float) and self.result_ttl > 0):
+            raise ValueError("result_ttl must be > 0 (math.inf keeps results forever)")
+        if not self.sweep_interval > 0 or self.sweep_batch < 1:
+            raise ValueError("sweep_interval must be > 0 and sweep_batch >= 1")
+        if self.max_args_bytes < 2 or self.max_result_bytes < 2 or self.max_depth < 1:
+            raise ValueError("size limits must allow at least an empty JSON object")
+
+
+@dataclass(frozen=True, slots=True)
+class IntentStatus:
+    """One intent as seen now. Asking never creates state."""
+
+    intent: str
+    state: str
+    token: int | None = None
+    holder: str | None = None
+    domain: str | None = None
+    lease_until: float | None = None
+    retry_after: float | None = None
+    cert: EffectCert | None = None
+    reason: str | None = None
+    since: float | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+class EffectFence:
+    """Exactly one attempt per intent runs; every other learns what happened.
+
+    ``fence.prepare(request)`` returns :class:`Fresh` (run the effect, then ``commit`` the
+    ticket) or :class:`Replay` (it already ran: here is the certificate), or raises a typed
+    :class:`~effectfence.errors.Refusal`.
+    """
+
+    def __init__(self, config: FenceConfig | None = None, *, store: FenceStore | None = None):
+        self.config = cfg = config or FenceConfig()
+        if store is None:
+            kw: dict[str, Any] = {}
+            if cfg.clock is not None:
+                kw["clock"] = cfg.clock
+            if cfg.counters is not None:
+                kw["counters"] = new_table(cfg.counters)
+            store = MemoryStore(**kw)
+        elif cfg.clock is not None:
+            raise ValueError("config.clock is for the memory store; a given store has its own")
+        self.store = store
+        self._lease_ttl = float(cfg.lease_ttl)
+        self._result_ttl = float(cfg.result_ttl)
+        backend = store.counters_backend
+        self._stats = new_table(backend if backend in ("atomic", "pure") else None)
+        self._slot = {k: self._stats.slot(k) for k in (*PREPARE_BUCKETS, *EVENT_BUCKETS)}
+        self._waiters: dict[str, threading.Event] = {}
+        self._next_sweep = -math.inf
+        self._sweep_lock = threading.Lock()
+
+    # -- statistics ---------------------------------------------------------------------------
+    def _count(self, bucket: str) -> None:
+        self._stats.reserve_slot(self._slot[bucket])
+
+    def stats(self) -> dict[str, Any]:
+        """Every prepare attempt in exactly one bucket, plus event counts and sizes."""
+        load = self._stats.load_slot
+        prepare = {k: load(self._slot[k]) for k in PREPARE_BUCKETS}
+        out: dict[str, Any] = {
+            "attempts": sum(prepare.values()),
+            "prepare": prepare,
+            **{k: load(self._slot[k]) for k in EVENT_BUCKETS},
+            "store": self.store.name,
+            "counters": self.store.counters_backend,
+            "size": self.store.size(),
+        }
+        return out
+
+    # -- payloads -------------------------------------------------------------------------------
+    def fingerprint(self, request: EffectRequest) -> str:
+        """SHA-256 of the canonical (tool, args, domain): what "same action" means (G4)."""
+        cfg = self.config
+        try:
+            data = canonical_bytes(
+                {"args": request.args, "domain": request.domain, "tool": request.tool},
+                max_depth=cfg.max_depth + 1,
+                max_bytes=cfg.max_args_bytes + len(request.domain) * 6 + len(request.tool) * 6 + 40,
+            )
+        except CanonicalError as exc:
+            raise InvalidRequest(
+                f"args of {request.intent!r}: {exc}", intent=request.intent
+            ) from exc
+        return hashlib.sha256(data).hexdigest()
+
+    def _check_result(self, intent: str, result: Any) -> None:
+        cfg = self.config
+        try:
+            canonical_bytes(result, max_depth=cfg.max_depth, max_bytes=cfg.max_result_bytes)
+        except CanonicalError as exc:
+            raise InvalidRequest(f"result of {intent!r}: {exc}", intent=intent) from exc
+
+    # -- prepare ------------------------------------------------------------------------------
+    def prepare(self, request: EffectRequest) -> Admission:
+        """Admit exactly one attempt per intent; replay or refuse every other (G1, G3, G4)."""
+        if type(request) is not EffectRequest:
+            self._count("invalid_request")
+            raise InvalidRequest(f"prepare takes an EffectRequest, got {type(request).__name__}")
+        try:
+            fp = self.fingerprint(request)
+        except InvalidRequest:
+            self._count("invalid_request")
+            raise
+        store = self.store
+        intent = request.intent
+        if self.config.auto_sweep and store.now() >= self._next_sweep:
+            self._auto_sweep()
+        for _ in range(_MAX_MOVES):
+            now = store.now()
+            rec = store.get(intent)
+            row, action = decide_prepare(rec, now, fp)
+            if action is Action.REPLAY:
+                assert rec is not None
+                self._count("replayed")
+                return Replay(rec.cert)
+            if action is not Action.CLAIM and action is not Action.TAKEOVER:
+                assert rec is not None
+                refusal = prepare_refusal(action, row, rec, now, intent)
+                self._count(refusal.code)
+                raise refusal
+            res = store.claim(
+                intent,
+                fingerprint=fp,
+                domain=request.domain,
+                agent=request.agent,
+                lease_ttl=self._lease_ttl,
+                observed_token=None if rec is None else rec.token,
+                read_set=request.read_set,
+                expected_seq=request.expected_seq,
+            )
+            if res.ok:
+                return self._admit(
+                    request,
+                    fp,
+                    res.seq,
+                    res.token,
+                    res.lease_until,
+                    res.head,
+                    action is Action.TAKEOVER,
+                )
+            if res.stale is not None:
+                d, want, got = res.stale
+                self._count("read_set_stale")
+                raise ReadSetStale(
+                    f"can't prepare {intent!r}: read set says {d!r} at {want}, it is at {got}",
+                    intent=intent,
+                    state=row.value,
+                    domain=d,
+                    expected=want,
+                    actual=got,
+                )
+            if res.race is not None:
+                self._count("domain_race")
+                raise DomainRace(
+                    f"can't prepare {intent!r}: expected {request.domain!r} at "
+                    f"{request.expected_seq}, it is at {res.race}",
+                    intent=intent,
+                    state=row.value,
+                    domain=request.domain,
+                    expected=request.expected_seq,
+                    actual=res.race,
+                )
+            # the record moved between observation and claim: observe again
+        self._count("intent_in_flight")
+        raise IntentInFlight(
+            f"can't prepare {intent!r}: the record kept changing under contention",
+            intent=intent,
+            state="contended",
+            retry_after=0.0,
+        )
+
+    def _admit(
+        self,
+        request: EffectRequest,
+        fp: str,
+        seq: int,
+        token: int,
+        lease_until: float,
+        head: Any,
+        takeover: bool,
+    ) -> Fresh:
+        known = request.known_clock
+        clock = VectorClock._trusted(dict(head.clock)) if head.clock else VectorClock._trusted({})
+        if known:
+            clock = clock.merge(known)
+        clock = clock.tick(request.agent)
+        domain = request.domain
+        ticket = PreparedEffect(
+            intent=request.intent,
+            domain=domain,
+            seq=seq,
+            token=token,
+            agent=request.agent,
+            tool=request.tool,
+            args=request.args,
+            read_set=request.read_set,
+            parent=request.parent if request.parent is not None else head.hash,
+            vector_clock=clock,
+            expected_seq=request.expected_seq,
+            lease_until=lease_until,
+            fingerprint=fp,
+        )
+        self._count("admitted")
+        if takeover:
+            self._count("takeovers")
+            self._wake(request.intent)
+        return Fresh(ticket, takeover)
+
+    # -- ticket operations ------------------------------------------------------------------------
+    def _check_ticket(self, op: str, ticket: PreparedEffect) -> IntentRecord:
+        if type(ticket) is not PreparedEffect:
+            raise InvalidTicket(f"{op} takes a PreparedEffect ticket, got {type(ticket).__name__}")
+        store = self.store
+        rec = store.get(ticket.intent)
+        refusal = judge_ticket(op, rec, store.now(), ticket.intent, ticket.token)
+        if refusal is not None:
+            self._count("refused_ticket_ops")
+            raise refusal
+        assert rec is not None
+        if rec.fingerprint != ticket.fingerprint:
+            self._count("refused_ticket_ops")
+            raise InvalidTicket(
+                f"can't {op} {ticket.intent!r}: the ticket's payload is not the admitted one",
+                intent=ticket.intent,
+                token=ticket.token,
+            )
+        return rec
+
+    def _lost(self, op: str, ticket: PreparedEffect, current: IntentRecord | None) -> Refusal:
+        self._count("refused_ticket_ops")
+        refusal = judge_ticket(op, current, self.store.now(), ticket.intent, ticket.token)
+        if refusal is None:  # the record moved and moved back: still not ours to finish
+            refusal = LeaseLost(
+                f"can't {op} {ticket.intent!r}: the lease moved", intent=ticket.intent
+            )
+        return refusal
+
+    def commit(self, ticket: PreparedEffect, result: Any) -> EffectCert:
+        """Record the effect's result; DONE with a certificate, atomically with the token check."""
+        self._check_ticket("commit", ticket)
+        self._check_result(ticket.intent, result)
+        domain = ticket.domain
+        # Strict about its own domain (expected_seq, or a read-set entry on it): judged
+        # against the ticket's own reservation, since the ticket itself moved the domain.
+        strict = ticket.expected_seq is not None or any(d == domain for d, _ in ticket.read_set)
+        own_seq = ticket.seq if strict else None
+        others = [(d, s) for d, s in ticket.read_set if d != domain]
+        cert = EffectCert(
+            intent=ticket.intent,
+            parent=ticket.parent,
+            domain=ticket.domain,
+            seq=ticket.seq,
+            tool=ticket.tool,
+            args=ticket.args,
+            result=result,
+            vector_clock=ticket.vector_clock.to_dict(),
+            read_set=ticket.read_set,
+            agent=ticket.agent,
+        )
+        store = self.store
+        until = store.now() + self._result_ttl
+        res = store.complete(
+            ticket.intent, ticket.token, cert, until, read_set=others, own_seq=own_seq
+        )
+        if res.ok:
+            self._count("commits")
+            self._wake(ticket.intent)
+            return cert
+        if res.stale is not None:
+            d, want, got = res.stale
+            self._count("stale_commits")
+            self._wake(ticket.intent)
+            raise ReadSetStale(
+                f"can't commit {ticket.intent!r}: {d!r} moved from {want} to {got} while the "
+                "effect ran; the intent is now FAILED: reconcile, then clear it",
+                intent=ticket.intent,
+                state="failed",
+                token=ticket.token,
+                domain=d,
+                expected=want,
+                actual=got,
+            )
+        raise self._lost("commit", ticket, res.current)
+
+    def abort(self, ticket: PreparedEffect, reason: str = "aborted") -> None:
+        """The outcome is unknown: fence the intent until an operator clears it (G9)."""
+        if type(reason) is not str or not reason or len(reason) > 4096:
+            raise InvalidRequest("abort reason must be a non-empty string of at most 4096 chars")
+        self._check_ticket("abort", ticket)
+        ok, cur = self.store.fail(ticket.intent, ticket.token, reason)
+        if not ok:
+            raise self._lost("abort", ticket, cur)
+        self._count("aborts")
+        self._wake(ticket.intent)
+
+    def release(self, ticket: PreparedEffect) -> None:
+        """The effect definitely did not fire: free the intent for a retry."""
+        self._check_ticket("release", ticket)
+        ok, cur = self.store.release(ticket.intent, ticket.token)
+        if not ok:
+            raise self._lost("release", ticket, cur)
+        self._count("releases")
+        self._wake(ticket.intent)
+
+    def renew(self, ticket: PreparedEffect, ttl: float | None = None) -> float:
+        """Heartbeat: extend the lease while the token is current; returns the new deadline."""
+        lease = self._lease_ttl if ttl is None else ttl
+        if not (isinstance(lease, int | float) and 0 < lease < math.inf):
+            raise InvalidRequest(f"ttl must be a finite number > 0, got {ttl!r}")
+        self._check_ticket("renew", ticket)
+        until = self.store.now() + lease
+        ok, cur = self.store.renew(ticket.intent, ticket.token, until)
+        if not ok:
+            raise self._lost("renew", ticket, cur)
+        ticket.lease_until = until
+        self._count("renewals")
+        return until
+
+    # -- operator and queries ----------------------------------------------------------------------
+    def clear_intent(self, intent: str) -> bool:
+        """Operator reconcile: any state -> ABSENT. True if there was something to clear."""
+        if type(intent) is not str or not intent:
+            raise InvalidRequest("intent must be a non-empty string")
+        removed = self.store.clear(intent)
+        if removed is not None:
+            self._count("clears")
+            self._wake(intent)
+        return removed is not None
+
+    def intent_status(self, intent: str) -> IntentStatus:
+        """One intent's state now, as a value. Never creates state (G8)."""
+        if type(intent) is not str or not intent:
+            raise InvalidRequest("intent must be a non-empty string")
+        store = self.store
+        now = store.now()
+        rec = store.get(intent)
+        row = observe(rec, now)
+        if rec is None or row is Row.DONE_EXPIRED:
+            return IntentStatus(intent, Row.ABSENT.value)
+        if row in (Row.IN_FLIGHT_LIVE, Row.IN_FLIGHT_LAPSED):
+            return IntentStatus(
+                intent,
+                row.value,
+                token=rec.token,
+                holder=rec.agent,
+                domain=rec.domain,
+                lease_until=rec.lease_until,
+                retry_after=max(0.0, rec.lease_until - now),
+            )
+        if row is Row.DONE_LIVE:
+            return IntentStatus(
+                intent,
+                row.value,
+                token=rec.token,
+                holder=rec.agent,
+                domain=rec.domain,
+                cert=rec.cert,
+            )
+        return IntentStatus(
+            intent,
+            row.value,
+            token=rec.token,
+            holder=rec.agent,
+            domain=rec.domain,
+            reason=rec.reason,
+            since=rec.since,
+        )
+
+    def current(self, domain: str) -> int:
+        """The domain's last reserved seq (the floor if it does not exist). Creates nothing."""
+        if type(domain) is not str or not domain:
+            raise InvalidRequest("domain must be a non-empty string")
+        return self.store.current(domain)
+
+    def evict_domain(self, domain: str) -> int | None:
+        """Forget a domain's counter; refused while an attempt is in flight on it (G5)."""
+        if type(domain) is not str or not domain:
+            raise InvalidRequest("domain must be a non-empty string")
+        return self.store.evict_domain(domain)
+
+    def sweep(self, limit: int | None = None) -> int:
+        """Reclaim expired results and lapsed leases now; returns how many."""
+        n = self.store.sweep(limit)
+        for _ in range(n):
+            self._count("reclaimed")
+        return n
+
+    def _auto_sweep(self) -> None:
+        if not self._sweep_lock.acquire(blocking=False):
+            return  # another thread is sweeping
+        try:
+            self._next_sweep = self.store.now() + self.config.sweep_interval
+            self.sweep(self.config.sweep_batch)
+        finally:
+            self._sweep_lock.release()
+
+    # -- waiting -----------------------------------------------------------------------------------
+    def _wake(self, intent: str) -> None:
+        ev = self._waiters.pop(intent, None)
+        if ev is not None:
+            ev.set()
+
+    def waiter(self, intent: str) -> threading.Event:
+        """An event set at the intent's next transition (commit, abort, release, takeover,
+        clear). Check the status after taking it, then wait: no transition is missed."""
+        ev = self._waiters.get(intent)
+        if ev is None:
+            ev = self._waiters.setdefault(intent, threading.Event())
+        return ev
+
+    # -- conveniences -----------------------------------------------------------------------------
+    def request(
+        self,
+        intent: str,
+        domain: str,
+        tool: str,
+        args: Mapping[str, Any] | None = None,
+        agent: str = "anonymous",
+        *,
+        read_set: Iterable[Any] | None = None,
+        parent: str | None = None,
+        known_clock: Mapping[str, int] | None = None,
+        expected_seq: int | None = None,
+    ) -> Admission:
+        """``prepare(EffectRequest(...))`` in one call."""
+        return self.prepare(
+            EffectRequest(
+                intent,
+                domain,
+                tool,
+                args,
+                agent,
+                read_set=read_set,
+                parent=parent,
+                known_clock=known_clock,
+                expected_seq=expected_seq,
+            )
+        )

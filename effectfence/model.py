@@ -1,0 +1,300 @@
+"""Requests, tickets and admissions: the values that cross the fence's surface.
+
+Plain slotted classes, not pydantic: they sit on the hot path, and their checks are the few
+type tests the protocol needs. Pydantic models live at the boundaries (MCP, files).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
+
+from effectfence.cert import EffectCert
+from effectfence.clock import VectorClock
+from effectfence.errors import InvalidRequest
+
+__all__ = [
+    "MAX_NAME_LENGTH",
+    "Admission",
+    "EffectRequest",
+    "Fresh",
+    "PreparedEffect",
+    "ReadSetEntry",
+    "Replay",
+]
+
+MAX_NAME_LENGTH = 512
+_SEQ_MAX = 2**63 - 2
+
+
+class ReadSetEntry(NamedTuple):
+    """When I decided, ``domain`` was at ``seq``."""
+
+    domain: str
+    seq: int
+
+
+def _name(field: str, value: object) -> str:
+    if type(value) is not str or not value:
+        raise InvalidRequest(f"{field} must be a non-empty string, got {type(value).__name__}")
+    if len(value) > MAX_NAME_LENGTH:
+        raise InvalidRequest(f"{field} is longer than {MAX_NAME_LENGTH} characters")
+    return value
+
+
+def _seq(field: str, value: object) -> int:
+    if type(value) is not int or not 0 <= value <= _SEQ_MAX:
+        raise InvalidRequest(f"{field} must be an integer in [0, 2**63-2], got {value!r}")
+    return value
+
+
+def _read_set(entries: Iterable[Any] | None) -> tuple[ReadSetEntry, ...]:
+    if not entries:
+        return ()
+    if isinstance(entries, str | bytes | Mapping):
+        raise InvalidRequest("read_set must be a list of [domain, seq] pairs")
+    out: list[ReadSetEntry] = []
+    seen: dict[str, int] = {}
+    for e in entries:
+        if isinstance(e, Mapping):
+            d, s = e.get("domain"), e.get("seq")
+        elif isinstance(e, tuple | list) and len(e) == 2:
+            d, s = e
+        else:
+            raise InvalidRequest("read_set entries must be [domain, seq] pairs")
+        d = _name("read_set domain", d)
+        s = _seq(f"read_set seq of {d!r}", s)
+        if seen.get(d, s) != s:
+            raise InvalidRequest(f"read_set names domain {d!r} twice with different seqs")
+        seen[d] = s
+        out.append(ReadSetEntry(d, s))
+    return tuple(out)
+
+
+class EffectRequest:
+    """What a caller wants to run, and what it believed when it decided."""
+
+    __slots__ = (
+        "agent",
+        "args",
+        "domain",
+        "expected_seq",
+        "intent",
+        "known_clock",
+        "parent",
+        "read_set",
+        "tool",
+    )
+
+    intent: str
+    domain: str
+    tool: str
+    args: dict[str, Any]
+    agent: str
+    read_set: tuple[ReadSetEntry, ...]
+    parent: str | None
+    known_clock: VectorClock | None
+    expected_seq: int | None
+
+    def __init__(
+        self,
+        intent: str,
+        domain: str,
+        tool: str,
+        args: Mapping[str, Any] | None = None,
+        agent: str = "anonymous",
+        *,
+        read_set: Iterable[Any] | None = None,
+        parent: str | None = None,
+        known_clock: Mapping[str, int] | None = None,
+        expected_seq: int | None = None,
+    ) -> None:
+        self.intent = _name("intent", intent)
+        self.domain = _name("domain", domain)
+        self.tool = _name("tool", tool)
+        self.agent = _name("agent", agent)
+        if args is None:
+            args = {}
+        elif type(args) is not dict:
+            if not isinstance(args, Mapping):
+                raise InvalidRequest(f"args must be a JSON object, got {type(args).__name__}")
+            args = dict(args)
+        self.args = args
+        self.read_set = _read_set(read_set)
+        if parent is not None and (type(parent) is not str or not parent):
+            raise InvalidRequest("parent must be a certificate hash (a non-empty string)")
+        self.parent = parent
+        if known_clock is None or isinstance(known_clock, VectorClock):
+            self.known_clock = known_clock
+        else:
+            try:
+                self.known_clock = VectorClock(known_clock)
+            except (ValueError, TypeError, AttributeError) as exc:
+                raise InvalidRequest(f"known_clock: {exc}") from exc
+        self.expected_seq = None if expected_seq is None else _seq("expected_seq", expected_seq)
+
+    def __repr__(self) -> str:
+        return (
+            f"EffectRequest(intent={self.intent!r}, domain={self.domain!r}, tool={self.tool!r}, "
+            f"agent={self.agent!r})"
+        )
+
+
+class PreparedEffect:
+    """The ticket: what the winning attempt holds between prepare and commit.
+
+    ``token`` is the fencing token (the lease generation, monotonic per intent). A newer
+    holder always has a larger token, so a downstream system that remembers the largest
+    token it has seen can refuse a paused holder that wakes up after a takeover::
+
+        t0  A prepares          -> token 7, lease until t0+30
+        t31 A is paused (GC, network), its lease lapses
+        t32 B prepares          -> takeover, token 9; A's ticket is now powerless
+        t33 B writes downstream with token 9, commits
+        t40 A wakes, writes downstream with token 7 -> downstream refuses (7 < 9)
+            A commits           -> lease_lost; B's record untouched
+    """
+
+    __slots__ = (
+        "agent",
+        "args",
+        "domain",
+        "expected_seq",
+        "fingerprint",
+        "intent",
+        "lease_until",
+        "parent",
+        "read_set",
+        "seq",
+        "token",
+        "tool",
+        "vector_clock",
+    )
+
+    def __init__(
+        self,
+        *,
+        intent: str,
+        domain: str,
+        seq: int,
+        token: int,
+        agent: str,
+        tool: str,
+        args: dict[str, Any],
+        read_set: tuple[ReadSetEntry, ...],
+        parent: str | None,
+        vector_clock: VectorClock,
+        expected_seq: int | None,
+        lease_until: float,
+        fingerprint: str,
+    ) -> None:
+        self.intent = intent
+        self.domain = domain
+        self.seq = seq
+        self.token = token
+        self.agent = agent
+        self.tool = tool
+        self.args = args
+        self.read_set = read_set
+        self.parent = parent
+        self.vector_clock = vector_clock
+        self.expected_seq = expected_seq
+        self.lease_until = lease_until
+        self.fingerprint = fingerprint
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form (for the wire, where it is authenticated by :mod:`effectfence.tickets`)."""
+        return {
+            "intent": self.intent,
+            "domain": self.domain,
+            "seq": self.seq,
+            "token": self.token,
+            "agent": self.agent,
+            "tool": self.tool,
+            "args": self.args,
+            "read_set": [[d, s] for d, s in self.read_set],
+            "parent": self.parent,
+            "vector_clock": self.vector_clock.to_dict(),
+            "expected_seq": self.expected_seq,
+            "lease_until": self.lease_until,
+            "fingerprint": self.fingerprint,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PreparedEffect:
+        try:
+            return cls(
+                intent=_name("intent", data["intent"]),
+                domain=_name("domain", data["domain"]),
+                seq=_seq("seq", data["seq"]),
+                token=_seq("token", data["token"]),
+                agent=_name("agent", data["agent"]),
+                tool=_name("tool", data["tool"]),
+                args=dict(data["args"]),
+                read_set=_read_set(data["read_set"]),
+                parent=data["parent"],
+                vector_clock=VectorClock(data["vector_clock"]),
+                expected_seq=None
+                if data["expected_seq"] is None
+                else _seq("expected_seq", data["expected_seq"]),
+                lease_until=float(data["lease_until"]),
+                fingerprint=_name("fingerprint", data["fingerprint"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidRequest(f"malformed ticket: {exc}") from exc
+
+    def __repr__(self) -> str:
+        return f"PreparedEffect(intent={self.intent!r}, seq={self.seq}, token={self.token})"
+
+
+class Admission:
+    """The answer to prepare: :class:`Fresh` (run it) or :class:`Replay` (it already ran)."""
+
+    __slots__ = ()
+    fresh: bool = False
+
+    @property
+    def ticket(self) -> PreparedEffect:
+        raise AttributeError("only a Fresh admission carries a ticket")
+
+    @property
+    def cert(self) -> EffectCert:
+        raise AttributeError("only a Replay admission carries a certificate")
+
+
+class Fresh(Admission):
+    """You won: run the effect, then commit (or abort / release) this ticket."""
+
+    __slots__ = ("_ticket", "takeover")
+    fresh = True
+
+    def __init__(self, ticket: PreparedEffect, takeover: bool = False) -> None:
+        self._ticket = ticket
+        self.takeover = takeover
+
+    @property
+    def ticket(self) -> PreparedEffect:
+        return self._ticket
+
+    def __repr__(self) -> str:
+        return f"Fresh({self._ticket!r}, takeover={self.takeover})"
+
+
+class Replay(Admission):
+    """It already ran: do NOT run it again; here is what happened."""
+
+    __slots__ = ("_cert",)
+
+    def __init__(self, cert: EffectCert) -> None:
+        self._cert = cert
+
+    @property
+    def cert(self) -> EffectCert:
+        return self._cert
+
+    @property
+    def result(self) -> Any:
+        return self._cert.result
+
+    def __repr__(self) -> str:
+        return f"Replay({self._cert!r})"

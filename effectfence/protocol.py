@@ -1,0 +1,262 @@
+"""The intent state machine of DESIGN.md, as data. Sans-IO: no clocks, no stores, no threads.
+
+Theory of operation
+-------------------
+Every intent is one small object with four states::
+
+    ABSENT ──prepare──▶ IN_FLIGHT(token, lease_until) ──commit──▶ DONE(cert, until)
+       ▲                   │  │                        ──abort───▶ FAILED(reason, since)
+       └────release────────┘  └─(lease lapses)─ takeover ─▶ IN_FLIGHT(new token)
+
+Rules, each enforced here and nowhere else:
+
+1. Whatever a caller asks, the record is first *observed* at one instant ``now`` (judged by
+   the store's clock) and classified into one of six rows (:class:`Row`). A lapsed lease and
+   an expired result are rows of their own, so time is part of the state, not a side check.
+2. What ``prepare`` may do is a lookup in :data:`PREPARE_TABLE`, keyed by the row and by
+   whether the request's payload fingerprint equals the recorded one. There is no other path
+   to a claim: an unknown key is a bug and raises.
+3. What a ticket operation (commit, abort, release, renew) may do is a lookup in
+   :data:`TICKET_TABLE`, keyed by the row and by whether the ticket's fencing token is the
+   record's current token. Only the current token of an in-flight record passes. A token is
+   never reused (tokens come from one monotonic source per store), so a superseded holder
+   can never match again: that is the fencing of G2.
+4. A refusal names the operation, the observed state and the tokens; the caller raises it
+   before touching anything, so a refused operation leaves every record as it was.
+5. The store then performs the chosen transition as one conditional step (compare by state
+   and token). If the record moved between observation and step, the step fails and the
+   driver observes again: decisions are never applied to a record they were not made on.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any
+
+from effectfence.errors import (
+    IntentConflict,
+    IntentFailed,
+    IntentInFlight,
+    LeaseLost,
+    Refusal,
+)
+
+__all__ = [
+    "PREPARE_TABLE",
+    "TICKET_TABLE",
+    "Action",
+    "IntentRecord",
+    "Row",
+    "State",
+    "TicketVerdict",
+    "decide_prepare",
+    "judge_ticket",
+    "observe",
+]
+
+
+class State(Enum):
+    """Stored states. The repr is the name, as in error messages."""
+
+    IN_FLIGHT = "in_flight"
+    DONE = "done"
+    FAILED = "failed"
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class Row(Enum):
+    """A record as seen at one instant: the rows of the DESIGN.md state table."""
+
+    ABSENT = "absent"
+    IN_FLIGHT_LIVE = "in_flight"
+    IN_FLIGHT_LAPSED = "in_flight_lapsed"
+    DONE_LIVE = "done"
+    DONE_EXPIRED = "done_expired"
+    FAILED = "failed"
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class Action(Enum):
+    CLAIM = "claim"  # install a new IN_FLIGHT record with a new token
+    TAKEOVER = "takeover"  # replace a lapsed lease: new token, old ticket powerless
+    REPLAY = "replay"  # hand back the recorded certificate
+    REFUSE_IN_FLIGHT = "intent_in_flight"
+    REFUSE_CONFLICT = "intent_conflict"
+    REFUSE_FAILED = "intent_failed"
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class TicketVerdict(Enum):
+    ALLOW = "allow"
+    LEASE_LOST = "lease_lost"
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class IntentRecord:
+    """One stored version of an intent. Immutable: transitions install a new record."""
+
+    __slots__ = (
+        "agent",
+        "cert",
+        "domain",
+        "fingerprint",
+        "intent",
+        "lease_until",
+        "reason",
+        "since",
+        "state",
+        "token",
+        "until",
+    )
+
+    def __init__(
+        self,
+        intent: str,
+        state: State,
+        token: int,
+        fingerprint: str,
+        domain: str,
+        agent: str,
+        *,
+        lease_until: float = 0.0,
+        cert: Any = None,
+        until: float = 0.0,
+        reason: str = "",
+        since: float = 0.0,
+    ) -> None:
+        self.intent = intent
+        self.state = state
+        self.token = token
+        self.fingerprint = fingerprint
+        self.domain = domain
+        self.agent = agent
+        self.lease_until = lease_until
+        self.cert = cert
+        self.until = until
+        self.reason = reason
+        self.since = since
+
+    def __repr__(self) -> str:
+        return (
+            f"IntentRecord(intent={self.intent!r}, state={self.state!r}, token={self.token}, "
+            f"domain={self.domain!r}, agent={self.agent!r})"
+        )
+
+
+def observe(record: IntentRecord | None, now: float) -> Row:
+    """Rule 1: classify a record at ``now``. Leases and results end *at* their deadline."""
+    if record is None:
+        return Row.ABSENT
+    state = record.state
+    if state is State.IN_FLIGHT:
+        return Row.IN_FLIGHT_LIVE if now < record.lease_until else Row.IN_FLIGHT_LAPSED
+    if state is State.DONE:
+        return Row.DONE_LIVE if now < record.until else Row.DONE_EXPIRED
+    return Row.FAILED
+
+
+# Rule 2. Key: (row, payload equals the recorded payload). ABSENT and DONE_EXPIRED have no
+# payload to compare, so both halves of their key lead to a claim. A different payload never
+# replays and never executes (G4); FAILED stays fenced whatever the payload (G9).
+PREPARE_TABLE: dict[tuple[Row, bool], Action] = {
+    (Row.ABSENT, True): Action.CLAIM,
+    (Row.ABSENT, False): Action.CLAIM,
+    (Row.IN_FLIGHT_LIVE, True): Action.REFUSE_IN_FLIGHT,
+    (Row.IN_FLIGHT_LIVE, False): Action.REFUSE_CONFLICT,
+    (Row.IN_FLIGHT_LAPSED, True): Action.TAKEOVER,
+    (Row.IN_FLIGHT_LAPSED, False): Action.REFUSE_CONFLICT,
+    (Row.DONE_LIVE, True): Action.REPLAY,
+    (Row.DONE_LIVE, False): Action.REFUSE_CONFLICT,
+    (Row.DONE_EXPIRED, True): Action.CLAIM,
+    (Row.DONE_EXPIRED, False): Action.CLAIM,
+    (Row.FAILED, True): Action.REFUSE_FAILED,
+    (Row.FAILED, False): Action.REFUSE_FAILED,
+}
+
+# Rule 3. Key: (row, the ticket's token is the record's token). Dead ends are written out.
+TICKET_TABLE: dict[tuple[Row, bool], TicketVerdict] = {
+    (Row.ABSENT, False): TicketVerdict.LEASE_LOST,
+    (Row.IN_FLIGHT_LIVE, True): TicketVerdict.ALLOW,
+    (Row.IN_FLIGHT_LIVE, False): TicketVerdict.LEASE_LOST,
+    # Lapsed but not taken over: the token is still current, so the holder may finish.
+    (Row.IN_FLIGHT_LAPSED, True): TicketVerdict.ALLOW,
+    (Row.IN_FLIGHT_LAPSED, False): TicketVerdict.LEASE_LOST,
+    # A finished record is never overwritten by a ticket, not even its own.
+    (Row.DONE_LIVE, True): TicketVerdict.LEASE_LOST,
+    (Row.DONE_LIVE, False): TicketVerdict.LEASE_LOST,
+    (Row.DONE_EXPIRED, True): TicketVerdict.LEASE_LOST,
+    (Row.DONE_EXPIRED, False): TicketVerdict.LEASE_LOST,
+    (Row.FAILED, True): TicketVerdict.LEASE_LOST,
+    (Row.FAILED, False): TicketVerdict.LEASE_LOST,
+}
+
+
+def decide_prepare(record: IntentRecord | None, now: float, fingerprint: str) -> tuple[Row, Action]:
+    """Rule 2: what prepare may do with this record."""
+    row = observe(record, now)
+    same = record is None or record.fingerprint == fingerprint
+    return row, PREPARE_TABLE[row, same]
+
+
+def prepare_refusal(
+    action: Action, row: Row, record: IntentRecord, now: float, intent: str
+) -> Refusal:
+    """Rule 4: the typed refusal for a refusing action, naming state and holder."""
+    if action is Action.REFUSE_IN_FLIGHT:
+        retry_after = max(0.0, record.lease_until - now)
+        return IntentInFlight(
+            f"can't prepare {intent!r}: state={row.value}, held by {record.agent!r} "
+            f"(token {record.token}) for {retry_after:.3f}s more",
+            intent=intent,
+            state=row.value,
+            token=record.token,
+            holder=record.agent,
+            retry_after=retry_after,
+        )
+    if action is Action.REFUSE_CONFLICT:
+        return IntentConflict(
+            f"can't prepare {intent!r}: state={row.value} with a different payload "
+            "(tool, args or domain differ from the recorded attempt)",
+            intent=intent,
+            state=row.value,
+            holder=record.agent,
+            recorded_fingerprint=record.fingerprint,
+        )
+    if action is Action.REFUSE_FAILED:
+        return IntentFailed(
+            f"can't prepare {intent!r}: state={row.value} ({record.reason}); "
+            "the outcome is unknown until an operator clears it",
+            intent=intent,
+            state=row.value,
+            holder=record.agent,
+            reason=record.reason,
+            since=record.since,
+        )
+    raise AssertionError(f"{action!r} is not a refusal")
+
+
+def judge_ticket(
+    op: str, record: IntentRecord | None, now: float, intent: str, token: int
+) -> Refusal | None:
+    """Rule 3: None when ``op`` may proceed with ``token``, else the refusal to raise."""
+    row = observe(record, now)
+    current = record is not None and record.token == token
+    verdict = TICKET_TABLE[row, current]
+    if verdict is TicketVerdict.ALLOW:
+        return None
+    held = "" if record is None else f"; current token {record.token}"
+    return LeaseLost(
+        f"can't {op} {intent!r}: state={row.value}, token {token} is not the current lease{held}",
+        intent=intent,
+        state=row.value,
+        token=token,
+        holder=None if record is None else record.agent,
+    )

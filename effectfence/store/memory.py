@@ -1,0 +1,367 @@
+"""The in-process store: intent records in a dict, domain seqs in the counter table.
+
+Concurrency design
+------------------
+- Records are immutable; a transition installs a new one. Readers (``get``, replay) take
+  no lock and always see a whole record.
+- Every transition of an intent runs under that intent's stripe lock (one of ``stripes``),
+  so each contract operation is one atomic step, and distinct intents rarely contend.
+- Domain seqs live in the counter table (C11 atomics, or the pure twin): concurrent claims
+  of different intents on one domain reserve without any lock between them.
+- In-flight counts per domain are two monotonic counters (claims, finishes) in counter
+  tables, so stripes never race on a Python ``+=``.
+- ``evict_domain`` is rare and stops the world: it takes every stripe (in order), so no
+  claim, commit or read-set check can touch the domain while it goes. ``current`` is
+  lock-free and uses a seqlock-style epoch to never return a value read across an eviction.
+- Expiry: a timing wheel of buckets (``granularity`` seconds each). Appending to a bucket
+  is one GIL-atomic list append; a new bucket is pushed on a small heap under a lock. Sweep
+  pops due buckets, so its cost is O(expired), and each entry is re-checked against the
+  current record (its token), so a renewed lease or a replaced record is never reclaimed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from effectfence.counters import CounterTable, new_table
+from effectfence.errors import IntentInFlight
+from effectfence.protocol import IntentRecord, Row, State, observe
+from effectfence.store.base import EMPTY_HEAD, ClaimResult, CommitResult, FenceStore, Head
+
+__all__ = ["DEFAULT_STRIPES", "DEFAULT_WHEEL_GRANULARITY", "MemoryStore"]
+
+_RECLAIMABLE = (Row.IN_FLIGHT_LAPSED, Row.DONE_EXPIRED)
+
+DEFAULT_STRIPES = 64
+DEFAULT_WHEEL_GRANULARITY = 0.25
+
+
+class MemoryStore(FenceStore):
+    """In-process store; the default. Judges leases by ``clock`` (monotonic by default)."""
+
+    name = "memory"
+
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        counters: CounterTable | None = None,
+        stripes: int = DEFAULT_STRIPES,
+        granularity: float = DEFAULT_WHEEL_GRANULARITY,
+    ) -> None:
+        if stripes < 1 or stripes & (stripes - 1):
+            raise ValueError("stripes must be a power of two")
+        if not granularity > 0:
+            raise ValueError("granularity must be > 0")
+        self._clock = clock
+        self._seqs = counters if counters is not None else new_table()
+        self.counters_backend = self._seqs.backend
+        # claims/finishes per domain; tokens share one counter ("" is never a valid domain)
+        self._claims = new_table(self._seqs.backend)
+        self._finishes = new_table(self._seqs.backend)
+        self._token_slot = self._claims.slot("")
+        self._records: dict[str, IntentRecord] = {}
+        self._locks = [threading.Lock() for _ in range(stripes)]
+        self._mask = stripes - 1
+        self._heads: dict[str, Head] = {}
+        self._heads_lock = threading.Lock()
+        self._epoch = 0  # odd while an eviction is running
+        self._g = granularity
+        self._wheel: dict[int, list[tuple[str, int]]] = {}
+        self._due: list[int] = []
+        self._wheel_lock = threading.Lock()
+
+    # -- helpers --------------------------------------------------------------------------
+    def now(self) -> float:
+        return self._clock()
+
+    def _lock(self, intent: str) -> threading.Lock:
+        return self._locks[hash(intent) & self._mask]
+
+    def new_token(self) -> int:
+        return self._claims.reserve_slot(self._token_slot)
+
+    def _schedule(self, deadline: float, intent: str, token: int) -> None:
+        b = math.ceil(deadline / self._g)
+        bucket = self._wheel.get(b)
+        if bucket is None:
+            with self._wheel_lock:
+                bucket = self._wheel.get(b)
+                if bucket is None:
+                    bucket = self._wheel[b] = []
+                    heapq.heappush(self._due, b)
+        bucket.append((intent, token))
+
+    def _at(self, domain: str) -> int:
+        """A domain's seq; an absent domain is at the floor, so eviction cannot bring back
+        an old value (a read set taken before an eviction never matches after it)."""
+        v = self._seqs.load(domain)
+        return self._seqs.floor() if v is None else v
+
+    def _stale(self, read_set: Sequence[tuple[str, int]]) -> tuple[str, int, int | None] | None:
+        for d, s in read_set:
+            actual = self._at(d)
+            if actual != s:
+                return (d, s, actual)
+        return None
+
+    # -- contract ---------------------------------------------------------------------------
+    def get(self, intent: str) -> IntentRecord | None:
+        return self._records.get(intent)
+
+    def claim(
+        self,
+        intent: str,
+        *,
+        fingerprint: str,
+        domain: str,
+        agent: str,
+        lease_ttl: float,
+        observed_token: int | None,
+        read_set: Sequence[tuple[str, int]],
+        expected_seq: int | None,
+    ) -> ClaimResult:
+        with self._lock(intent):
+            now = self._clock()
+            cur = self._records.get(intent)
+            # condition 1: the slot is free, or still holds the lapsed / expired record we saw
+            takeover = False
+            if cur is not None:
+                row = observe(cur, now)
+                if cur.token != observed_token or row not in _RECLAIMABLE:
+                    return ClaimResult(False, current=cur)
+                takeover = row is Row.IN_FLIGHT_LAPSED
+            # condition 2: the read set still holds
+            if read_set:
+                stale = self._stale(read_set)
+                if stale is not None:
+                    return ClaimResult(False, stale=stale)
+            # condition 3: reserve (compare-exchange with expected_seq, fetch-add without)
+            if expected_seq is None:
+                seq = self._seqs.reserve(domain)
+            else:
+                if self._seqs.find(domain) < 0:
+                    floor = self._seqs.floor()
+                    if expected_seq != floor:  # lose without creating the domain (G7)
+                        return ClaimResult(False, race=floor)
+                got = self._seqs.advance_if(domain, expected_seq)
+                if got < 0:
+                    return ClaimResult(False, race=-got - 1)
+                seq = got
+            token = self.new_token()
+            lease_until = now + lease_ttl
+            self._records[intent] = IntentRecord(
+                intent, State.IN_FLIGHT, token, fingerprint, domain, agent, lease_until=lease_until
+            )
+            if not takeover:
+                self._claims.reserve(domain)
+            elif cur is not None and cur.domain != domain:  # unreachable: same payload
+                self._finishes.reserve(cur.domain)
+                self._claims.reserve(domain)
+            head = self._heads.get(domain, EMPTY_HEAD)
+        self._schedule(lease_until, intent, token)
+        return ClaimResult(True, seq=seq, token=token, lease_until=lease_until, head=head)
+
+    def complete(
+        self,
+        intent: str,
+        token: int,
+        cert: Any,
+        until: float,
+        *,
+        read_set: Sequence[tuple[str, int]],
+        own_seq: int | None,
+    ) -> CommitResult:
+        with self._lock(intent):
+            now = self._clock()
+            cur = self._records.get(intent)
+            if cur is None or cur.state is not State.IN_FLIGHT or cur.token != token:
+                return CommitResult(False, current=cur)
+            stale = self._stale(read_set) if read_set else None
+            if stale is None and own_seq is not None:
+                actual = self._at(cur.domain)
+                if actual != own_seq:
+                    stale = (cur.domain, own_seq, actual)
+            if stale is not None:
+                self._records[intent] = IntentRecord(
+                    intent,
+                    State.FAILED,
+                    token,
+                    cur.fingerprint,
+                    cur.domain,
+                    cur.agent,
+                    reason="read_set_stale",
+                    since=now,
+                )
+                self._finishes.reserve(cur.domain)
+                return CommitResult(False, current=cur, stale=stale)
+            self._records[intent] = IntentRecord(
+                intent,
+                State.DONE,
+                token,
+                cur.fingerprint,
+                cur.domain,
+                cur.agent,
+                cert=cert,
+                until=until,
+            )
+            self._finishes.reserve(cur.domain)
+            with self._heads_lock:
+                old = self._heads.get(cur.domain, EMPTY_HEAD)
+                clock = dict(old.clock)
+                for a, n in cert.vector_clock.items():
+                    if n > clock.get(a, 0):
+                        clock[a] = n
+                self._heads[cur.domain] = Head(cert.hash, clock)
+        if math.isfinite(until):
+            self._schedule(until, intent, token)
+        return CommitResult(True)
+
+    def _finish(
+        self, intent: str, token: int, new: IntentRecord | None
+    ) -> tuple[bool, IntentRecord | None]:
+        """Compare-by-token: replace an in-flight record of ``token`` with ``new``."""
+        with self._lock(intent):
+            cur = self._records.get(intent)
+            if cur is None or cur.state is not State.IN_FLIGHT or cur.token != token:
+                return False, cur
+            if new is None:
+                del self._records[intent]
+            else:
+                self._records[intent] = new
+            if new is None or new.state is not State.IN_FLIGHT:
+                self._finishes.reserve(cur.domain)
+            return True, cur
+
+    def fail(self, intent: str, token: int, reason: str) -> tuple[bool, IntentRecord | None]:
+        cur = self._records.get(intent)
+        if cur is None:
+            return False, None
+        new = IntentRecord(
+            intent,
+            State.FAILED,
+            token,
+            cur.fingerprint,
+            cur.domain,
+            cur.agent,
+            reason=reason,
+            since=self._clock(),
+        )
+        return self._finish(intent, token, new)
+
+    def release(self, intent: str, token: int) -> tuple[bool, IntentRecord | None]:
+        return self._finish(intent, token, None)
+
+    def renew(
+        self, intent: str, token: int, lease_until: float
+    ) -> tuple[bool, IntentRecord | None]:
+        cur = self._records.get(intent)
+        if cur is None:
+            return False, None
+        new = IntentRecord(
+            intent,
+            State.IN_FLIGHT,
+            token,
+            cur.fingerprint,
+            cur.domain,
+            cur.agent,
+            lease_until=lease_until,
+        )
+        ok, found = self._finish(intent, token, new)
+        if ok:
+            self._schedule(lease_until, intent, token)
+        return ok, found
+
+    def clear(self, intent: str) -> IntentRecord | None:
+        with self._lock(intent):
+            cur = self._records.pop(intent, None)
+            if cur is not None and cur.state is State.IN_FLIGHT:
+                self._finishes.reserve(cur.domain)
+            return cur
+
+    def current(self, domain: str) -> int:
+        while True:
+            e = self._epoch
+            if e & 1:  # an eviction is running: wait for it rather than read across it
+                with self._locks[0]:
+                    pass
+                continue
+            v = self._at(domain)
+            if self._epoch == e:
+                return v
+
+    def in_flight(self, domain: str) -> int:
+        claims = self._claims.load(domain) or 0
+        finishes = self._finishes.load(domain) or 0
+        return claims - finishes
+
+    def evict_domain(self, domain: str) -> int | None:
+        for lk in self._locks:
+            lk.acquire()
+        try:
+            busy = self.in_flight(domain)
+            if busy:
+                raise IntentInFlight(
+                    f"can't evict domain {domain!r}: {busy} attempt(s) in flight on it",
+                    state="in_flight",
+                    domain=domain,
+                    in_flight=busy,
+                )
+            self._epoch += 1
+            try:
+                value = self._seqs.evict(domain)
+                self._claims.evict(domain)
+                self._finishes.evict(domain)
+                with self._heads_lock:
+                    self._heads.pop(domain, None)
+            finally:
+                self._epoch += 1
+            return value
+        finally:
+            for lk in reversed(self._locks):
+                lk.release()
+
+    def sweep(self, limit: int | None = None) -> int:
+        now = self._clock()
+        reclaimed = 0
+        visited = 0
+        while True:
+            with self._wheel_lock:
+                if not self._due or self._due[0] * self._g > now:
+                    break
+                b = heapq.heappop(self._due)
+                bucket = self._wheel.pop(b, [])
+            # every deadline in bucket b is <= b * g <= now: all are due
+            for i, (intent, token) in enumerate(bucket):
+                if limit is not None and visited >= limit:
+                    rest = bucket[i:]
+                    with self._wheel_lock:
+                        self._wheel.setdefault(b, []).extend(rest)
+                        heapq.heappush(self._due, b)
+                    return reclaimed
+                visited += 1
+                with self._lock(intent):
+                    cur = self._records.get(intent)
+                    if cur is None or cur.token != token:
+                        continue
+                    row = observe(cur, now)
+                    if row is Row.IN_FLIGHT_LAPSED:
+                        self._finishes.reserve(cur.domain)
+                    elif row is not Row.DONE_EXPIRED:
+                        continue
+                    del self._records[intent]
+                    reclaimed += 1
+        return reclaimed
+
+    def size(self) -> dict[str, int]:
+        return {
+            "records": len(self._records),
+            "domains": len(self._seqs),
+            "heads": len(self._heads),
+            "wheel_buckets": len(self._wheel),
+        }

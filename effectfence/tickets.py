@@ -1,0 +1,71 @@
+"""Tickets that cross a process boundary, authenticated with HMAC-SHA256 (G10).
+
+A ticket on the wire is ``base64url(canonical JSON) "." hex(HMAC-SHA256(key, canonical
+JSON))``. The key is per server (random) unless ``EFFECTFENCE_TICKET_KEY`` is set, which
+several servers sharing a durable store need. A forged, edited or truncated ticket fails the
+MAC and is refused ``invalid_ticket`` before the fence looks at it; a genuine ticket whose
+lease was taken over is refused ``lease_lost`` by the fence itself.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import json
+import os
+import secrets
+
+from effectfence.canonical import CanonicalError, canonical_bytes
+from effectfence.errors import InvalidRequest, InvalidTicket
+from effectfence.model import PreparedEffect
+
+__all__ = ["TICKET_KEY_ENV", "TicketSigner"]
+
+TICKET_KEY_ENV = "EFFECTFENCE_TICKET_KEY"
+_MAX_WIRE = 4 << 20
+
+
+class TicketSigner:
+    """Seals tickets for the wire and opens them again, refusing any that were altered."""
+
+    __slots__ = ("_key",)
+
+    def __init__(self, key: bytes | None = None) -> None:
+        if key is None:
+            env = os.environ.get(TICKET_KEY_ENV)
+            key = env.encode() if env else secrets.token_bytes(32)
+        if len(key) < 16:
+            raise ValueError(f"a ticket key needs at least 16 bytes ({TICKET_KEY_ENV})")
+        self._key = key
+
+    def __repr__(self) -> str:
+        return "TicketSigner(key=<hidden>)"
+
+    def _mac(self, body: bytes) -> str:
+        return hmac.new(self._key, body, hashlib.sha256).hexdigest()
+
+    def seal(self, ticket: PreparedEffect) -> str:
+        body = canonical_bytes(ticket.to_dict())
+        return base64.urlsafe_b64encode(body).decode().rstrip("=") + "." + self._mac(body)
+
+    def open(self, wire: object) -> PreparedEffect:
+        if type(wire) is not str or not wire or len(wire) > _MAX_WIRE:
+            raise InvalidTicket("a ticket must be the non-empty string prepare returned")
+        head, dot, mac = wire.rpartition(".")
+        if not dot or len(mac) != 64:
+            raise InvalidTicket("malformed ticket: expected <body>.<mac>")
+        try:
+            body = base64.urlsafe_b64decode(head + "=" * (-len(head) % 4))
+        except (binascii.Error, ValueError) as exc:
+            raise InvalidTicket("malformed ticket body") from exc
+        if not hmac.compare_digest(self._mac(body), mac):
+            raise InvalidTicket("ticket authentication failed: forged, edited or truncated")
+        try:
+            data = json.loads(body)
+            if canonical_bytes(data) != body:
+                raise InvalidTicket("ticket body is not canonical")
+            return PreparedEffect.from_dict(data)
+        except (ValueError, CanonicalError, InvalidRequest) as exc:
+            raise InvalidTicket(f"malformed ticket: {exc}") from exc

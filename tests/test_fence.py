@@ -1,0 +1,538 @@
+"""The guarantees G1-G10 of DESIGN.md, each with a test that fails when its guard goes.
+
+Every test runs on every store in ``conftest.STORES`` (both counter tables included).
+Collisions are forced with ``threading.Barrier``; time moves only through the fake clock.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+from typing import Any
+
+import pytest
+from support import FakeClock, FenceFactory, race
+
+from effectfence import (
+    DomainRace,
+    EffectCert,
+    EffectFence,
+    EffectRequest,
+    IntentConflict,
+    IntentFailed,
+    IntentInFlight,
+    InvalidRequest,
+    InvalidTicket,
+    LeaseLost,
+    ReadSetStale,
+    Replay,
+    VectorClock,
+    verify_chain,
+)
+from effectfence.model import PreparedEffect
+
+
+def req(
+    intent: str = "charge:order-1",
+    domain: str = "order:1",
+    args: dict[str, Any] | None = None,
+    agent: str = "agent-a",
+    **kw: Any,
+) -> EffectRequest:
+    return EffectRequest(
+        intent, domain, "charge", {"cents": 500} if args is None else args, agent, **kw
+    )
+
+
+def fresh(fence: EffectFence, r: EffectRequest | None = None) -> PreparedEffect:
+    adm = fence.prepare(r or req())
+    assert adm.fresh, adm
+    return adm.ticket
+
+
+def snapshot(fence: EffectFence, intents: list[str], domains: list[str]) -> Any:
+    """Everything a refused prepare must leave untouched."""
+    recs = []
+    for i in intents:
+        r = fence.store.get(i)
+        recs.append(None if r is None else (r.state, r.token, r.lease_until, r.fingerprint))
+    return recs, [fence.current(d) for d in domains], fence.store.size()
+
+
+# -- G1 exactly-once ----------------------------------------------------------------------------
+
+
+def test_g1_sixteen_concurrent_duplicates_admit_exactly_one(fence: EffectFence) -> None:
+    n = 16
+    for trial in range(20):
+
+        def attempt(i: int, trial: int = trial) -> str:
+            return "fresh" if fence.prepare(req(intent=f"charge:{trial}")).fresh else "replay"
+
+        outcomes = race(n, attempt)
+        assert [o for o in outcomes if o == "fresh"] == ["fresh"], outcomes
+        assert sum(isinstance(o, IntentInFlight) for o in outcomes) == n - 1
+
+
+def test_g1_fresh_then_duplicates_replay(fence: EffectFence) -> None:
+    t = fresh(fence)
+    with pytest.raises(IntentInFlight) as ei:
+        fence.prepare(req(agent="agent-b"))
+    assert ei.value.holder == "agent-a" and ei.value.retry_after == pytest.approx(10.0)
+    cert = fence.commit(t, {"charged": 500})
+    for agent in ("agent-a", "agent-b", "agent-c"):
+        adm = fence.prepare(req(agent=agent))
+        assert isinstance(adm, Replay) and adm.cert.hash == cert.hash
+
+
+def test_g1_record_retained_until_result_ttl(fence: EffectFence, clock: FakeClock) -> None:
+    cert = fence.commit(fresh(fence), "ok")
+    clock.advance(99.9)
+    assert fence.prepare(req()).cert.hash == cert.hash
+    clock.advance(0.2)  # past result_ttl: treated as absent, a new attempt may run
+    assert fence.prepare(req()).fresh
+
+
+# -- G2 fencing ---------------------------------------------------------------------------------
+
+
+def test_g2_takeover_makes_old_ticket_powerless(fence: EffectFence, clock: FakeClock) -> None:
+    old = fresh(fence)
+    clock.advance(10.0)  # the lease ends at its deadline
+    adm = fence.prepare(req(agent="agent-b"))
+    assert adm.fresh and adm.takeover
+    new = adm.ticket
+    assert new.token > old.token
+    for op in (
+        lambda: fence.commit(old, "stale"),
+        lambda: fence.abort(old, "stale"),
+        lambda: fence.release(old),
+        lambda: fence.renew(old),
+    ):
+        with pytest.raises(LeaseLost) as ei:
+            op()
+        assert ei.value.code == "lease_lost" and ei.value.token == old.token
+    rec = fence.store.get(new.intent)
+    assert rec is not None and rec.token == new.token and rec.agent == "agent-b"
+    cert = fence.commit(new, "charged once")
+    assert cert.agent == "agent-b" and fence.prepare(req()).cert.hash == cert.hash
+
+
+def test_g2_lapsed_holder_may_finish_while_nobody_took_over(
+    fence: EffectFence, clock: FakeClock
+) -> None:
+    t = fresh(fence)
+    clock.advance(50.0)
+    assert fence.commit(t, "late but current").verify()
+
+
+def test_g2_commit_after_commit_never_overwrites(fence: EffectFence) -> None:
+    t = fresh(fence)
+    cert = fence.commit(t, "first")
+    with pytest.raises(LeaseLost):
+        fence.commit(t, "second")
+    assert fence.prepare(req()).cert.hash == cert.hash
+
+
+def test_g2_renew_keeps_lease_alive(fence: EffectFence, clock: FakeClock) -> None:
+    t = fresh(fence)
+    clock.advance(8.0)
+    fence.renew(t)
+    clock.advance(8.0)  # 16 s after prepare, 8 s after renew: still live
+    with pytest.raises(IntentInFlight):
+        fence.prepare(req(agent="agent-b"))
+    fence.commit(t, "ok")
+
+
+# -- G3 replay ----------------------------------------------------------------------------------
+
+
+def test_g3_replay_is_identical_and_verifies(fence: EffectFence) -> None:
+    cert = fence.commit(fresh(fence), {"charge_id": "ch_1", "amount": 500})
+    for _ in range(5):
+        again = fence.prepare(req()).cert
+        assert again.hash == cert.hash and again.to_dict() == cert.to_dict() and again.verify()
+
+
+# -- G4 payload identity ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        {"args": {"cents": 501}},
+        {"domain": "order:2"},
+    ],
+)
+def test_g4_changed_payload_conflicts_done(fence: EffectFence, changed: dict[str, Any]) -> None:
+    fence.commit(fresh(fence), "ok")
+    before = snapshot(fence, ["charge:order-1"], ["order:1", "order:2"])
+    with pytest.raises(IntentConflict) as ei:
+        fence.prepare(req(**changed))
+    assert ei.value.code == "intent_conflict"
+    assert snapshot(fence, ["charge:order-1"], ["order:1", "order:2"]) == before
+
+
+def test_g4_changed_tool_conflicts_in_flight_and_lapsed(
+    fence: EffectFence, clock: FakeClock
+) -> None:
+    fresh(fence)
+    other = EffectRequest("charge:order-1", "order:1", "refund", {"cents": 500}, "agent-b")
+    with pytest.raises(IntentConflict):
+        fence.prepare(other)
+    clock.advance(11.0)  # lapsed: a different payload must not take over either
+    with pytest.raises(IntentConflict):
+        fence.prepare(other)
+
+
+def test_g4_key_order_does_not_matter(fence: EffectFence) -> None:
+    fence.commit(fresh(fence, req(args={"a": 1, "b": [1, 2]})), "ok")
+    assert not fence.prepare(req(args={"b": [1, 2], "a": 1})).fresh
+
+
+# -- G5 sequences ---------------------------------------------------------------------------------
+
+
+def test_g5_seqs_unique_increasing_across_intents(fence: EffectFence) -> None:
+    seqs = [fresh(fence, req(intent=f"i{i}")).seq for i in range(50)]
+    assert seqs == sorted(set(seqs)) and seqs == list(range(seqs[0], seqs[0] + 50))
+    assert fence.current("order:1") == seqs[-1]
+
+
+def test_g5_thirty_two_threads_distinct_intents_one_domain(fence: EffectFence) -> None:
+    n = 32
+
+    def go(i: int) -> list[int]:
+        return [fresh(fence, req(intent=f"i{i}-{j}")).seq for j in range(20)]
+
+    seqs = [s for out in race(n, go) for s in out]  # type: ignore[union-attr]
+    assert len(seqs) == len(set(seqs)) == n * 20
+    assert sorted(seqs) == list(range(min(seqs), min(seqs) + n * 20))  # gapless
+
+
+def test_g5_evict_refused_in_flight_and_no_aba(fence: EffectFence) -> None:
+    t = fresh(fence)
+    with pytest.raises(IntentInFlight):
+        fence.evict_domain("order:1")
+    fence.commit(t, "ok")
+    for i in range(3):
+        fence.commit(fresh(fence, req(intent=f"more{i}")), "ok")
+    last = fence.current("order:1")
+    assert fence.evict_domain("order:1") == last
+    # the evicted domain reads at the floor, never back at an old value or 0
+    assert fence.current("order:1") > last
+    with pytest.raises(DomainRace):  # an old (domain, seq) pair never matches again
+        fence.prepare(req(intent="late", expected_seq=last))
+    with pytest.raises(ReadSetStale):
+        fence.prepare(req(intent="late2", read_set=[("order:1", last)]))
+    t2 = fresh(fence, req(intent="after-evict"))
+    assert t2.seq > last
+    # and other, never-seen domains start above it too
+    assert fresh(fence, req(intent="elsewhere", domain="order:9")).seq > last
+
+
+# -- G6 strict OCC --------------------------------------------------------------------------------
+
+
+def test_g6_expected_seq_race_exactly_one_winner(fence: EffectFence) -> None:
+    n = 8
+    for trial in range(100):
+        domain = f"acct:{trial}"
+        base = fence.current(domain)
+
+        def go(i: int, domain: str = domain, base: int = base) -> int:
+            return fresh(fence, req(intent=f"{domain}-{i}", domain=domain, expected_seq=base)).seq
+
+        outcomes = race(n, go)
+        wins = [o for o in outcomes if isinstance(o, int)]
+        assert wins == [base + 1], (trial, outcomes)
+        assert sum(isinstance(o, DomainRace) for o in outcomes) == n - 1
+
+
+def test_g6_read_set_checked_at_prepare(fence: EffectFence) -> None:
+    fence.commit(fresh(fence, req(intent="a", domain="inventory:9")), "ok")
+    at = fence.current("inventory:9")
+    before = snapshot(fence, ["b"], ["order:1", "inventory:9"])
+    with pytest.raises(ReadSetStale) as ei:
+        fence.prepare(req(intent="b", read_set=[("inventory:9", at - 1)]))
+    assert ei.value.details["actual"] == at
+    assert snapshot(fence, ["b"], ["order:1", "inventory:9"]) == before
+    t = fresh(fence, req(intent="b", read_set=[("inventory:9", at)]))
+    assert fence.commit(t, "ok").read_set == (("inventory:9", at),)
+
+
+def test_g6_read_set_moving_during_effect_fails_commit(fence: EffectFence) -> None:
+    at = fence.current("inventory:9")
+    t = fresh(fence, req(read_set=[("inventory:9", at)]))
+    fence.commit(fresh(fence, req(intent="other", domain="inventory:9")), "moved it")
+    with pytest.raises(ReadSetStale):
+        fence.commit(t, "ran on a stale view")
+    st = fence.intent_status("charge:order-1")
+    assert st.state == "failed" and st.reason == "read_set_stale"
+    with pytest.raises(IntentFailed):
+        fence.prepare(req())
+
+
+def test_g6_expected_seq_judged_against_own_reservation(fence: EffectFence) -> None:
+    base = fence.current("order:1")
+    t = fresh(fence, req(expected_seq=base))
+    assert fence.commit(t, "ok").seq == base + 1  # its own move is not staleness
+    t2 = fresh(fence, req(intent="x2", expected_seq=base + 1))
+    fence.commit(fresh(fence, req(intent="x3")), "someone moved the domain")
+    with pytest.raises(ReadSetStale):
+        fence.commit(t2, "late")
+
+
+# -- G7 no trace --------------------------------------------------------------------------------
+
+
+def test_g7_refused_prepares_change_nothing(fence: EffectFence) -> None:
+    t = fresh(fence)
+    domains = ["order:1", "order:2", "inventory:1"]
+    intents = ["charge:order-1", "x", "y"]
+    before = snapshot(fence, intents, domains)
+    base = fence.current("order:2")
+    attempts = [
+        lambda: fence.prepare(req()),  # in flight
+        lambda: fence.prepare(req(args={"cents": 1})),  # conflict
+        lambda: fence.prepare(req(intent="x", domain="order:2", expected_seq=base + 5)),
+        lambda: fence.prepare(req(intent="y", read_set=[("inventory:1", 7)])),
+        lambda: fence.prepare(req(intent="x", args={"bad": math.nan})),
+    ]
+    for attempt in attempts:
+        with pytest.raises(
+            (IntentInFlight, IntentConflict, DomainRace, ReadSetStale, InvalidRequest)
+        ):
+            attempt()
+        assert snapshot(fence, intents, domains) == before
+    fence.commit(t, "ok")
+
+
+def test_g7_release_is_compare_by_token(fence: EffectFence, clock: FakeClock) -> None:
+    old = fresh(fence)
+    clock.advance(10.0)
+    new = fresh(fence, req(agent="agent-b"))
+    with pytest.raises(LeaseLost):
+        fence.release(old)
+    rec = fence.store.get("charge:order-1")
+    assert rec is not None and rec.token == new.token and rec.state.name == "IN_FLIGHT"
+    fence.release(new)
+    assert fence.store.get("charge:order-1") is None
+
+
+# -- G8 bounded memory --------------------------------------------------------------------------
+
+
+def test_g8_sweep_reclaims_only_expired(fence: EffectFence, clock: FakeClock) -> None:
+    for i in range(10):
+        fence.commit(fresh(fence, req(intent=f"done{i}")), i)
+    clock.advance(60.0)
+    live = [fresh(fence, req(intent=f"live{i}")) for i in range(5)]
+    for i in range(5):
+        fence.commit(fresh(fence, req(intent=f"young{i}")), i)
+    fresh(fence, req(intent="lapsed"))
+    clock.advance(45.0)  # done* expired (105 > 100); live* lapsed too (45 > 10)...
+    fence.renew(live[0])  # ...except this one, renewed
+    clock.advance(5.0)
+    failed = fresh(fence, req(intent="failed"))
+    fence.abort(failed, "unknown")
+    n = fence.sweep()
+    assert n == 10 + 4 + 1  # 10 expired results, 4 lapsed live leases, 1 lapsed lease
+    assert fence.store.get("live0") is not None
+    assert all(fence.store.get(f"young{i}") is not None for i in range(5))
+    assert fence.intent_status("failed").state == "failed"  # G9: never reclaimed
+    assert fence.store.get("lapsed") is None
+    assert fence.sweep() == 0
+
+
+def test_g8_queries_never_create_state(fence: EffectFence) -> None:
+    size = fence.store.size()
+    assert fence.intent_status("nothing:here").state == "absent"
+    fence.current("no-such-domain")
+    assert fence.store.size() == size
+
+
+def test_g8_auto_sweep_bounds_memory(make_fence: FenceFactory, clock: FakeClock) -> None:
+    fence = make_fence(lease_ttl=1.0, result_ttl=2.0, auto_sweep=True, sweep_interval=1.0)
+    for i in range(2000):
+        fence.commit(fresh(fence, req(intent=f"i{i}")), i)
+        clock.advance(0.01)
+    assert fence.store.size()["records"] <= 2.0 / 0.01 + 150
+    assert fence.stats()["reclaimed"] > 1500
+
+
+# -- G9 unknown stays fenced ---------------------------------------------------------------------
+
+
+def test_g9_abort_fences_until_cleared(fence: EffectFence, clock: FakeClock) -> None:
+    fence.abort(fresh(fence), "timeout talking to the bank")
+    clock.advance(10_000.0)
+    with pytest.raises(IntentFailed) as ei:
+        fence.prepare(req())
+    assert ei.value.details["reason"] == "timeout talking to the bank"
+    assert fence.sweep() == 0
+    assert fence.clear_intent("charge:order-1")
+    assert fence.prepare(req()).fresh
+
+
+def test_g9_release_frees_for_retry(fence: EffectFence) -> None:
+    t = fresh(fence)
+    fence.release(t)
+    t2 = fresh(fence)
+    assert t2.token > t.token
+
+
+# -- G10 tamper evidence ------------------------------------------------------------------------
+
+
+def test_g10_any_field_change_is_detected(fence: EffectFence) -> None:
+    cert = fence.commit(fresh(fence, req(read_set=[])), {"ok": True})
+    base = cert.to_dict()
+    changes = {
+        "intent": "charge:order-2",
+        "parent": "0" * 64,
+        "domain": "order:2",
+        "seq": base["seq"] + 1,
+        "tool": "refund",
+        "args": {"cents": 5000},
+        "result": {"ok": False},
+        "vector_clock": {"agent-a": 99},
+        "read_set": [["x", 1]],
+        "agent": "mallory",
+        "hash": "f" * 64,
+    }
+    assert EffectCert.from_dict(base).verify()
+    for field, value in changes.items():
+        bad = copy.deepcopy(base)
+        bad[field] = value
+        assert not EffectCert.from_dict(bad).verify(), field
+    # and mutation in place of a nested value
+    cert.args["cents"] = 1
+    assert not cert.verify()
+
+
+# -- certificates, clocks, chains --------------------------------------------------------------
+
+
+def test_certs_chain_per_domain_and_clocks_order(fence: EffectFence) -> None:
+    certs = []
+    for i, agent in enumerate(["a", "b", "a", "c"]):
+        certs.append(fence.commit(fresh(fence, req(intent=f"step{i}", agent=agent)), i))
+    assert certs[0].parent is None
+    assert verify_chain(certs).ok
+    clocks = [VectorClock(c.vector_clock) for c in certs]
+    assert all(x.lt(y) for x, y in itertools.pairwise(clocks))
+    broken = verify_chain([certs[0], certs[2]])
+    assert not broken.ok and broken.broken_at == 1
+
+
+def test_concurrent_tickets_on_one_domain_have_concurrent_clocks(fence: EffectFence) -> None:
+    a = fresh(fence, req(intent="x", agent="a"))
+    b = fresh(fence, req(intent="y", agent="b"))
+    assert a.vector_clock.concurrent(b.vector_clock)
+    ca = fence.commit(a, 1)
+    c = fresh(fence, req(intent="z", agent="c"))
+    assert VectorClock(ca.vector_clock).lt(c.vector_clock)
+
+
+def test_known_clock_is_merged(fence: EffectFence) -> None:
+    t = fresh(fence, req(known_clock={"planner": 4}))
+    assert t.vector_clock == VectorClock({"planner": 4, "agent-a": 1})
+
+
+# -- bad input -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        {"x": math.nan},
+        {"x": math.inf},
+        {"x": -math.inf},
+        {1: "non-string key"},
+        {"x": b"bytes"},
+        {"x": object()},
+        {"x": {1, 2}},
+        {"x": 2**60},
+        {"x": "\ud800"},
+    ],
+)
+def test_bad_args_refused_before_anything(fence: EffectFence, args: dict[Any, Any]) -> None:
+    before = snapshot(fence, ["charge:order-1"], ["order:1"])
+    with pytest.raises(InvalidRequest) as ei:
+        fence.prepare(req(args=args))
+    assert ei.value.code == "invalid_request"
+    assert snapshot(fence, ["charge:order-1"], ["order:1"]) == before
+    assert fence.stats()["prepare"]["invalid_request"] == 1
+
+
+def test_oversized_and_deep_payloads_refused(make_fence: FenceFactory) -> None:
+    fence = make_fence(max_args_bytes=1000, max_result_bytes=100, max_depth=8)
+    with pytest.raises(InvalidRequest):
+        fence.prepare(req(args={"blob": "x" * 2000}))
+    deep: Any = 1
+    for _ in range(20):
+        deep = [deep]
+    with pytest.raises(InvalidRequest):
+        fence.prepare(req(args={"deep": deep}))
+    t = fresh(fence)
+    with pytest.raises(InvalidRequest):
+        fence.commit(t, "y" * 200)
+    with pytest.raises(InvalidRequest):
+        fence.commit(t, {"x": math.nan})
+    assert fence.intent_status(t.intent).state == "in_flight"  # nothing half-written
+    fence.commit(t, "fits")
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: EffectRequest("", "d", "t"),
+        lambda: EffectRequest("i", "", "t"),
+        lambda: EffectRequest("i", "d", ""),
+        lambda: EffectRequest("i", "d", "t", [1, 2]),  # type: ignore[arg-type]
+        lambda: EffectRequest("i", "d", "t", {}, "a", expected_seq=-1),
+        lambda: EffectRequest("i", "d", "t", {}, "a", expected_seq=True),
+        lambda: EffectRequest("i", "d", "t", {}, "a", read_set=[("d", "1")]),
+        lambda: EffectRequest("i", "d", "t", {}, "a", read_set=[("d", 1), ("d", 2)]),
+        lambda: EffectRequest("i", "d", "t", {}, "a", known_clock={"x": -1}),
+        lambda: EffectRequest("i" * 600, "d", "t"),
+    ],
+)
+def test_malformed_requests_are_typed_errors(build: Any) -> None:
+    with pytest.raises(InvalidRequest):
+        build()
+
+
+def test_forged_ticket_object_refused(fence: EffectFence) -> None:
+    t = fresh(fence)
+    forged = PreparedEffect.from_dict(
+        {**t.to_dict(), "args": {"cents": 1}, "fingerprint": "x" * 64}
+    )
+    with pytest.raises(InvalidTicket):
+        fence.commit(forged, "nope")
+    with pytest.raises(InvalidTicket):
+        fence.commit("not a ticket", "nope")  # type: ignore[arg-type]
+    fence.commit(t, "ok")
+
+
+# -- statistics ------------------------------------------------------------------------------------
+
+
+def test_every_attempt_in_exactly_one_bucket(fence: EffectFence, clock: FakeClock) -> None:
+    t = fresh(fence)
+    for _ in range(3):
+        with pytest.raises(IntentInFlight):
+            fence.prepare(req())
+    with pytest.raises(IntentConflict):
+        fence.prepare(req(args={"cents": 2}))
+    fence.commit(t, "ok")
+    fence.prepare(req())
+    with pytest.raises(DomainRace):
+        fence.prepare(req(intent="r", expected_seq=0 if fence.current("order:1") else 5))
+    s = fence.stats()
+    p = s["prepare"]
+    assert p["admitted"] == 1 and p["replayed"] == 1 and p["intent_in_flight"] == 3
+    assert p["intent_conflict"] == 1 and p["domain_race"] == 1
+    assert s["attempts"] == 7 and s["commits"] == 1
