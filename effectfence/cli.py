@@ -1,0 +1,68 @@
+"""The ``effectfence`` command: one entry point, each subcommand owned by its room.
+
+Subcommands are imported only when named, so ``effectfence info`` never pays for ``mcp``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from collections.abc import Callable
+
+__all__ = ["main"]
+
+# name -> (module, function, one-line help)
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "info": ("effectfence.cli", "info_main", "which counter table runs, and versions"),
+    "storm": ("effectfence.storm", "main", "1,000 attempts to charge order #777: one runs"),
+    "serve": ("effectfence.mcp.server", "main", "stdio MCP server routing tools through the fence"),
+    "scan": ("effectfence.scan.cli", "main", "list MCP tools that could fire twice, with evidence"),
+}
+
+USAGE = "usage: effectfence {" + ",".join(COMMANDS) + "} [options]   (effectfence CMD --help)"
+
+
+def info_main(argv: list[str] | None = None) -> int:
+    """Print the running counter backend (and why), the C core's version, and ours."""
+    import argparse
+
+    from effectfence import __version__
+    from effectfence.counters import backend_info
+
+    parser = argparse.ArgumentParser(prog="effectfence info", description=info_main.__doc__)
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    args = parser.parse_args(argv)
+    data = {"effectfence": __version__, "python": sys.version.split()[0], **backend_info()}
+    if args.json:
+        print(json.dumps(data, indent=2, sort_keys=True))
+    else:
+        width = max(len(k) for k in data)
+        for k, v in data.items():
+            print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        for name, (_, _, text) in COMMANDS.items():
+            print(f"  {name:<6} {text}")
+        return 0 if argv else 2
+    if argv[0] == "--version":
+        from effectfence import __version__
+
+        print(__version__)
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"effectfence: unknown command {name!r}\n{USAGE}", file=sys.stderr)
+        return 2
+    module, func, _ = COMMANDS[name]
+    entry: Callable[[list[str]], int] = getattr(importlib.import_module(module), func)
+    return int(entry(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

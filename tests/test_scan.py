@@ -1,0 +1,227 @@
+"""Tests for ``effectfence scan`` against fixture MCP servers in four languages."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from effectfence.scan import CANNOT_SEE, Finding, scan_path
+from effectfence.scan.source import mask
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "scan"
+EXPECTED = json.loads((FIXTURES / "EXPECTED.json").read_text())
+THRESHOLD: int = EXPECTED["threshold"]
+# What README_SECTION.md states; the fixtures include one known miss and one known false alarm.
+MIN_PRECISION = 0.9
+MIN_RECALL = 0.9
+
+
+def _scan(fixture: str, min_score: int = 0) -> dict[str, Finding]:
+    report = scan_path(FIXTURES / fixture, min_score=min_score)
+    return {f.tool: f for f in report.findings}
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "effectfence.scan", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=60,
+    )
+
+
+def test_every_expected_tool_is_found() -> None:
+    for fixture, tools in EXPECTED["fixtures"].items():
+        found = _scan(fixture)
+        missing = set(tools) - set(found)
+        assert not missing, f"{fixture}: tools not discovered: {missing}"
+        extra = set(found) - set(tools)
+        assert not extra, f"{fixture}: unexpected tools: {extra}"
+
+
+def test_precision_and_recall_on_fixtures() -> None:
+    tp = fp = fn = 0
+    for fixture, tools in EXPECTED["fixtures"].items():
+        found = _scan(fixture)
+        for tool, label in tools.items():
+            predicted = found[tool].score >= THRESHOLD
+            actual = label == "fires"
+            tp += predicted and actual
+            fp += predicted and not actual
+            fn += actual and not predicted
+    precision = tp / (tp + fp)
+    recall = tp / (tp + fn)
+    print(f"precision={precision:.3f} recall={recall:.3f} tp={tp} fp={fp} fn={fn}")
+    assert precision >= MIN_PRECISION
+    assert recall >= MIN_RECALL
+
+
+def test_guarded_tools_score_lower_and_list_their_guard() -> None:
+    for fixture, tools in EXPECTED["fixtures"].items():
+        listed = _scan(fixture, min_score=1)
+        for tool, label in tools.items():
+            if label != "guarded":
+                continue
+            assert tool in listed, f"{tool} should stay visible at the default --min-score"
+            finding = listed[tool]
+            assert finding.guards, tool
+            assert finding.score < THRESHOLD, tool
+
+
+def test_read_tools_are_not_listed_by_default() -> None:
+    for fixture, tools in EXPECTED["fixtures"].items():
+        listed = _scan(fixture, min_score=1)
+        for tool, label in tools.items():
+            if label == "read" and tool not in ("create_preview",):
+                assert tool not in listed, f"{fixture}:{tool}"
+
+
+def test_no_bleed_from_the_previous_tool() -> None:
+    for fixture, tool in (("py_fastmcp", "forecast"), ("ts_server", "weather")):
+        finding = _scan(fixture)[tool]
+        assert finding.score == 0
+        assert not [e for e in finding.evidence if e.kind == "http_write"]
+
+
+def test_read_verb_vetoes_a_post_but_money_words_lift_the_veto() -> None:
+    found = _scan("py_fastmcp")
+    assert found["search_orders"].score == 0
+    assert any(e.kind == "read_name" for e in found["search_orders"].evidence)
+    assert any(e.kind == "money_word" for e in found["lookup_invoice"].evidence)
+
+
+def test_camel_case_idempotency_helper_is_a_guard() -> None:
+    finding = _scan("ts_server")["chargeCustomer"]
+    details = " ".join(g.detail for g in finding.guards)
+    assert "deriveIdempotencyKey" in details
+    assert "Idempotency-Key" in details
+
+
+def test_writes_in_same_file_helpers_count() -> None:
+    create = _scan("py_fastmcp")["create_ticket"]
+    assert any("helper _post_json()" in e.detail for e in create.evidence if e.kind == "http_write")
+    assert any(e.kind == "retry" for e in create.evidence)
+    book = _scan("ts_server")["book_room"]
+    assert any("helper callApi()" in e.detail for e in book.evidence)
+
+
+def test_conditional_http_method_on_the_raw_line() -> None:
+    finding = _scan("ts_server")["sync_contact"]
+    http = [e for e in finding.evidence if e.kind == "http_write"]
+    assert http and "conditional" in http[0].detail and "PUT" in http[0].detail
+
+
+def test_docstring_only_python_tool() -> None:
+    finding = _scan("py_docstring")["slack_message"]
+    assert any(e.detail == "description says 'post'" for e in finding.evidence)
+    assert finding.score >= THRESHOLD
+
+
+def test_handlers_referenced_by_name_are_followed() -> None:
+    invoice = _scan("go_mark3labs")["create_invoice"]
+    assert any(e.kind == "http_write" and e.line == 36 for e in invoice.evidence)
+    delete = _scan("ts_server")["delete_file"]
+    assert any("deleteObject" in e.detail for e in delete.evidence)
+    deploy = _scan("go_official")["deploy_service"]
+    assert any("exec.CommandContext" in e.detail for e in deploy.evidence)
+    write = _scan("rust_legacy")["write_config"]
+    assert any("fs.write" in e.detail for e in write.evidence)
+
+
+def test_annotations_are_read_in_every_language() -> None:
+    assert any(g.kind == "read_only_hint" for g in _scan("go_mark3labs")["get_invoice"].guards)
+    assert any(g.kind == "read_only_hint" for g in _scan("go_official")["list_services"].guards)
+    assert any(g.kind == "idempotent_hint" for g in _scan("rust_rmcp")["cancel_order"].guards)
+    assert any(g.kind == "read_only_hint" for g in _scan("py_fastmcp")["ticket_summary"].guards)
+    assert any(g.kind == "read_only_hint" for g in _scan("ts_server")["list_files"].guards)
+
+
+def test_skip_rules_apply_below_the_root_only(tmp_path: Path) -> None:
+    repo = tmp_path / "home" / "build" / "repo"
+    shutil.copytree(FIXTURES / "py_fastmcp", repo)
+    tool = "from mcp.server.fastmcp import FastMCP\nmcp = FastMCP('x')\n\n@mcp.tool()\n"
+    for sub, name in (("build", "gen.py"), ("node_modules/pkg", "srv.py"), ("tests", "fake.py")):
+        (repo / sub).mkdir(parents=True)
+        (repo / sub / name).write_text(tool + "def send_spam() -> None:\n    pass\n")
+    (repo / "venv_custom").mkdir()
+    (repo / "venv_custom" / "pyvenv.cfg").write_text("home = /usr\n")
+    (repo / "venv_custom" / "lib.py").write_text(tool + "def send_spam() -> None:\n    pass\n")
+    report = scan_path(repo, min_score=0)
+    tools = {f.tool for f in report.findings}
+    assert "charge_card" in tools
+    assert "send_spam" not in tools
+    assert all(not f.file.startswith(("build/", "node_modules/")) for f in report.findings)
+
+
+def test_single_file_and_missing_path() -> None:
+    report = scan_path(FIXTURES / "rust_rmcp" / "src" / "main.rs")
+    assert {f.file for f in report.findings} == {"main.rs"}
+    with pytest.raises(FileNotFoundError):
+        scan_path(FIXTURES / "does-not-exist")
+
+
+def test_mask_keeps_offsets_and_hides_strings_and_comments() -> None:
+    src = 'let s = "a { b"; // }\nlet r: &\'static str = r#"}"#; let c = \'{\';'
+    code, skel = mask(src, "rust")
+    assert len(code) == len(skel) == len(src)
+    assert "//" not in code and '"a { b"' in code  # comments go, strings stay in ``code``
+    assert skel.count("{") == skel.count("}") == 0  # neither survives in the skeleton
+    js = "const re = /[{]/g; const t = `x ${ {a: 1}.a } y`; // {"
+    _, jskel = mask(js, "typescript")
+    assert jskel.count("{") == 0 and jskel.count("}") == 0
+
+
+def test_cli_json_shape_and_exit_code() -> None:
+    proc = _run(str(FIXTURES), "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["cannot_see"] == list(CANNOT_SEE)
+    assert data["findings"]
+    for item in data["findings"]:
+        assert set(item) == {"tool", "file", "line", "language", "score", "evidence", "guards"}
+        assert item["language"] in {"python", "typescript", "go", "rust"}
+        for ev in item["evidence"] + item["guards"]:
+            assert set(ev) == {"kind", "detail", "line"}
+    high = json.loads(_run(str(FIXTURES), "--json", "--min-score", "8").stdout)
+    assert high["findings"] and all(f["score"] >= 8 for f in high["findings"])
+
+
+def test_cli_table_has_no_verdict_words() -> None:
+    proc = _run(str(FIXTURES / "ts_server"))
+    assert proc.returncode == 0
+    assert "could fire" in proc.stdout
+    assert "cannot see" in proc.stdout
+    lowered = proc.stdout.lower()
+    assert " bug" not in lowered and " safe" not in lowered and "vulnerab" not in lowered
+
+
+def test_cli_exit_code_when_nothing_is_found(tmp_path: Path) -> None:
+    proc = _run(str(tmp_path))
+    assert proc.returncode == 0
+    assert "No tool scored" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        [],
+        ["/definitely/not/here"],
+        [str(FIXTURES), "--min-score", "high"],
+        [str(FIXTURES), "--frobnicate"],
+    ],
+)
+def test_cli_bad_arguments_exit_2(args: list[str]) -> None:
+    proc = _run(*args)
+    assert proc.returncode == 2
+    assert proc.stderr.strip()
+    assert proc.stdout == ""
