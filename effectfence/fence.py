@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from effectfence.canonical import CanonicalError, canonical_bytes
+from effectfence.canonical import MAX_SAFE_INTEGER, CanonicalError, canonical_bytes
 from effectfence.cert import EffectCert
 from effectfence.clock import VectorClock
 from effectfence.counters import new_table
@@ -280,6 +280,13 @@ class EffectFence:
         head: Any,
         takeover: bool,
     ) -> Fresh:
+        if seq > MAX_SAFE_INTEGER:  # unreachable in practice (2**53 reservations); fail closed
+            self.store.release(request.intent, token)
+            raise InvalidRequest(
+                f"domain {request.domain!r} has used up its JSON-safe seq range; "
+                "a certificate could not record this seq",
+                intent=request.intent,
+            )
         known = request.known_clock
         clock = VectorClock._trusted(dict(head.clock)) if head.clock else VectorClock._trusted({})
         if known:

@@ -24,7 +24,7 @@ __all__ = [
 ]
 
 MAX_NAME_LENGTH = 512
-_SEQ_MAX = 2**63 - 2
+_SEQ_MAX = 2**53 - 2  # seqs go into certificates: keep seq+1 JSON-safe (RFC 8785)
 
 
 class ReadSetEntry(NamedTuple):
@@ -44,7 +44,7 @@ def _name(field: str, value: object) -> str:
 
 def _seq(field: str, value: object) -> int:
     if type(value) is not int or not 0 <= value <= _SEQ_MAX:
-        raise InvalidRequest(f"{field} must be an integer in [0, 2**63-2], got {value!r}")
+        raise InvalidRequest(f"{field} must be an integer in [0, 2**53-2], got {value!r}")
     return value
 
 

@@ -1,0 +1,91 @@
+"""Certificates (frozen format, tamper evidence, chains) and vector clocks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from effectfence import EffectCert, InvalidRequest, VectorClock, verify_chain
+from effectfence.canonical import canonical_str
+
+VECTORS = json.loads((Path(__file__).parent / "vectors" / "certs.json").read_text())
+
+
+@pytest.mark.parametrize("vector", VECTORS["vectors"], ids=lambda v: v["fields"]["intent"])
+def test_certificate_format_is_frozen(vector: dict[str, Any]) -> None:
+    cert = EffectCert(**vector["fields"])
+    assert canonical_str(cert.body()) == vector["canonical"]
+    assert cert.hash == vector["hash"]
+    assert cert.verify()
+    again = EffectCert.from_dict(json.loads(json.dumps(cert.to_dict())))
+    assert again.hash == cert.hash and again.verify() and again == cert
+
+
+def test_from_dict_refuses_malformed() -> None:
+    good = EffectCert(**VECTORS["vectors"][0]["fields"]).to_dict()
+    for bad in (
+        {k: v for k, v in good.items() if k != "seq"},
+        {**good, "extra": 1},
+        {**good, "seq": "1"},
+        {**good, "format": "other/9"},
+        {**good, "read_set": [["d"]]},
+        {**good, "vector_clock": {"a": "1"}},
+        [good],
+    ):
+        with pytest.raises(InvalidRequest):
+            EffectCert.from_dict(bad)  # type: ignore[arg-type]
+
+
+def test_certificate_is_immutable_and_repr_hides_payload() -> None:
+    cert = EffectCert(**VECTORS["vectors"][0]["fields"])
+    with pytest.raises(AttributeError):
+        cert.result = "forged"  # type: ignore[misc]
+    assert "cents" not in repr(cert) and "charge_id" not in repr(cert)
+
+
+def test_chain_verification() -> None:
+    a = EffectCert(**{**VECTORS["vectors"][0]["fields"], "parent": None})
+    b = EffectCert(**{**VECTORS["vectors"][0]["fields"], "seq": 2, "parent": a.hash})
+    c = EffectCert(**{**VECTORS["vectors"][0]["fields"], "seq": 3, "parent": b.hash})
+    assert verify_chain([a, b, c]).ok and verify_chain([]).ok
+    report = verify_chain([a, c])
+    assert not report and report.broken_at == 1
+    forged = EffectCert.from_dict({**b.to_dict(), "result": "edited"})
+    assert verify_chain([a, forged, c]).broken_at == 1
+
+
+agents = st.sampled_from(["a", "b", "c", "d"])
+clocks = st.dictionaries(agents, st.integers(0, 5)).map(VectorClock)
+
+
+@given(clocks, clocks, clocks)
+def test_vector_clock_laws(x: VectorClock, y: VectorClock, z: VectorClock) -> None:
+    m = x.merge(y)
+    assert x.le(m) and y.le(m)  # merge is an upper bound
+    assert m == y.merge(x)  # commutative
+    assert x.merge(y).merge(z) == x.merge(y.merge(z))  # associative
+    assert x.le(x) and not x.lt(x)
+    assert x.lt(x.tick("a"))
+    if x.le(y) and y.le(x):
+        assert x == y and x.digest() == y.digest()
+    assert x.concurrent(y) == (not x.le(y) and not y.le(x))
+    if x.le(y) and y.le(z):
+        assert x.le(z)
+
+
+def test_vector_clock_validation_and_canonical_digest() -> None:
+    assert (
+        VectorClock({"a": 0}) == VectorClock()
+        and VectorClock({"a": 0}).digest() == VectorClock().digest()
+    )
+    assert VectorClock({"b": 1, "a": 2}).digest() == VectorClock({"a": 2, "b": 1}).digest()
+    for bad in ({"": 1}, {"a": -1}, {"a": 1.5}, {1: 1}):
+        with pytest.raises(ValueError):
+            VectorClock(bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        VectorClock().tick("")

@@ -1,0 +1,71 @@
+"""Wire tickets: authenticated, and refused when forged, edited, truncated or superseded."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+from support import FakeClock
+
+from effectfence import EffectFence, EffectRequest, InvalidTicket, LeaseLost
+from effectfence.tickets import TicketSigner
+
+
+def _prepare(fence: EffectFence, agent: str = "a") -> str:
+    adm = fence.prepare(EffectRequest("pay:1", "acct:1", "pay", {"cents": 10}, agent))
+    assert adm.fresh
+    return TicketSigner(b"k" * 32).seal(adm.ticket)
+
+
+def test_round_trip(fence: EffectFence) -> None:
+    signer = TicketSigner(b"k" * 32)
+    wire = _prepare(fence)
+    ticket = signer.open(wire)
+    assert ticket.intent == "pay:1" and fence.commit(ticket, "ok").verify()
+
+
+def test_forged_edited_truncated_refused_and_change_nothing(fence: EffectFence) -> None:
+    signer = TicketSigner(b"k" * 32)
+    wire = _prepare(fence)
+    body, mac = wire.rsplit(".", 1)
+    data = json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
+    edited = dict(data, args={"cents": 10_000})
+    edited_body = base64.urlsafe_b64encode(json.dumps(edited).encode()).decode().rstrip("=")
+    before = fence.store.get("pay:1")
+    for bad in (
+        wire[:-1],  # truncated mac
+        wire[: len(wire) // 2],  # truncated body
+        edited_body + "." + mac,  # edited payload, old mac
+        TicketSigner(b"x" * 32).seal(signer.open(wire)),  # another server's key
+        "",
+        "no-dot",
+        42,
+    ):
+        with pytest.raises(InvalidTicket):
+            signer.open(bad)
+    assert fence.store.get("pay:1") is before
+    fence.commit(signer.open(wire), "ok")
+
+
+def test_replayed_after_takeover_is_lease_lost(fence: EffectFence, clock: FakeClock) -> None:
+    signer = TicketSigner(b"k" * 32)
+    old_wire = _prepare(fence)
+    clock.advance(10.0)
+    new = fence.prepare(EffectRequest("pay:1", "acct:1", "pay", {"cents": 10}, "b"))
+    assert new.fresh
+    with pytest.raises(LeaseLost):
+        fence.commit(signer.open(old_wire), "stale")
+    assert fence.store.get("pay:1").token == new.ticket.token  # type: ignore[union-attr]
+
+
+def test_key_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EFFECTFENCE_TICKET_KEY", "shared-secret-of-enough-length")
+    a, b = TicketSigner(), TicketSigner()
+    fence = EffectFence()
+    adm = fence.prepare(EffectRequest("i", "d", "t", {}))
+    assert b.open(a.seal(adm.ticket)).token == adm.ticket.token
+    monkeypatch.setenv("EFFECTFENCE_TICKET_KEY", "short")
+    with pytest.raises(ValueError):
+        TicketSigner()
+    assert "zq" not in repr(TicketSigner(b"zq" * 16))
