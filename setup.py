@@ -1,0 +1,54 @@
+"""setup() exists only because cffi's ``cffi_modules`` hook needs it; metadata is in pyproject.
+
+The C extension is optional for a source install: if it fails to compile, the install still
+succeeds and effectfence runs on the pure-Python counter table (effectfence.counters reports
+why).  Wheel builds for distribution set ``EFFECTFENCE_REQUIRE_EXTENSION=1`` so a broken
+compiler fails the build instead of shipping a wheel without the extension.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from setuptools import setup
+from setuptools.command.build_ext import build_ext
+
+REQUIRE_ENV = "EFFECTFENCE_REQUIRE_EXTENSION"
+
+
+def _extension_required() -> bool:
+    value = os.environ.get(REQUIRE_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise SystemExit(f"{REQUIRE_ENV}={value!r} is not valid: use 1 (required) or 0/unset")
+    return value == "1"
+
+
+class OptionalBuildExt(build_ext):
+    """build_ext that turns a compiler failure into a quiet fallback, unless required."""
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except Exception as exc:  # no compiler at all, broken toolchain, ...
+            self._fall_back(exc)
+
+    def build_extension(self, ext: Any) -> None:
+        try:
+            super().build_extension(ext)
+        except Exception as exc:  # this extension failed to compile or link
+            self._fall_back(exc)
+
+    def _fall_back(self, exc: BaseException) -> None:
+        if _extension_required():
+            raise exc
+        print(
+            f"effectfence: C extension not built ({type(exc).__name__}: {exc}); "
+            f"using the pure-Python counter table. Set {REQUIRE_ENV}=1 to make this an error.",
+            file=sys.stderr,
+        )
+
+
+_extension_required()  # reject a bad value before doing any work
+setup(cffi_modules=["build_ffi.py:ffi"], cmdclass={"build_ext": OptionalBuildExt})
