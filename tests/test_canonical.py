@@ -8,9 +8,11 @@ import json
 import math
 import struct
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 import rfc8785
 from hypothesis import HealthCheck, given, settings
@@ -349,6 +351,7 @@ def test_fast_path_would_be_wrong_for_floats_and_non_ascii_keys(
     else:
         assert canonical_bytes(value) == expected == rfc8785.dumps(value)
     monkeypatch.setattr(canonical, "_fast_ok", lambda v, d: True)
+    monkeypatch.setattr(canonical, "_orjson", None)  # the stdlib encoder's mistakes
     if expected is None:
         assert canonical_bytes(value) == b'{"n":1152921504606846976}'  # silently accepted
     else:
@@ -453,3 +456,46 @@ def test_fast_float_rule_matches_es6(value: float) -> None:
         assert json.dumps(value) == _es6_number(value)
     else:
         assert value == 0 or value.is_integer() or not 1e-4 <= abs(value) < 1e16
+
+
+class Plain(enum.Enum):
+    ONE = 1
+
+
+# -- the orjson encoder ---------------------------------------------------------------------
+
+
+@HYPO
+@given(FAST_SHAPED)
+def test_orjson_bytes_equal_the_stdlib_fast_path(value: Any) -> None:
+    """Where _fast_ok says yes, orjson, the stdlib encoder and the exact path agree."""
+    assert _fast_ok(value, 64)
+    stdlib = "".join(canonical._C_ENCODE(value, 0)).encode("utf-8")  # type: ignore[misc]
+    assert orjson.dumps(value, option=orjson.OPT_SORT_KEYS) == stdlib == _exact_bytes(value)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"a": 1.0},  # orjson writes 1.0, RFC 8785 writes 1
+        {"a": [1e16]},  # orjson 1e+16, RFC 8785 10000000000000000
+        {"\U0001f600": 1, "\ue000": 2},  # code-point order is not UTF-16 order
+        {"a": math.nan},  # orjson writes null instead of refusing
+        {"a": uuid.UUID(int=1)},  # orjson writes a string instead of refusing
+        {"a": Plain.ONE},
+        {"a": 2**60},
+    ],
+)
+def test_orjson_is_never_asked_where_it_is_not_exact(value: Any) -> None:
+    assert not _fast_ok(value, 64)
+    raw = orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    try:
+        exact: bytes | None = _exact_bytes(value)
+    except CanonicalError:
+        exact = None
+    assert raw != exact
+    if exact is None:
+        with pytest.raises(CanonicalError):
+            canonical_bytes(value)
+    else:
+        assert canonical_bytes(value) == exact
