@@ -13,6 +13,7 @@ paths byte-identical to each other and to ``rfc8785``.
 from __future__ import annotations
 
 import hashlib
+import json
 import json.encoder
 import math
 import operator
@@ -511,6 +512,26 @@ def canonical_bytes(value: object, *, max_depth: int = 64, max_bytes: int | None
             "$", f"canonical form is {len(data)} bytes, over max_bytes={max_bytes}"
         )
     return data
+
+
+def json_loads(data: bytes) -> Any:
+    """Parse JSON this module produced (a cheap deep copy of a canonical value)."""
+    if _orjson is not None:
+        return _orjson.loads(data)
+    return json.loads(data)
+
+
+def string_bytes(text: str) -> bytes:
+    """RFC 8785 form of one ``str``: orjson's string escapes are RFC 8785's for any valid str
+    (proven in tests/test_canonical.py); a lone surrogate goes to the exact path, which
+    refuses it by name."""
+    if _orjson is not None and type(text) is str:
+        try:
+            out: bytes = _orjson.dumps(text)
+            return out
+        except TypeError:
+            pass
+    return canonical_bytes(text)
 
 
 def canonical_str(value: object, *, max_depth: int = 64, max_bytes: int | None = None) -> str:

@@ -16,10 +16,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from effectfence.canonical import CanonicalError, canonical_bytes
+from effectfence.canonical import CanonicalError, canonical_bytes, string_bytes
 from effectfence.errors import InvalidRequest
 
-__all__ = ["CERT_FORMAT", "ChainReport", "EffectCert", "verify_chain"]
+__all__ = ["CERT_FORMAT", "ChainReport", "EffectCert", "spliced_hash", "verify_chain"]
 
 CERT_FORMAT = "effectfence.cert/1"
 
@@ -69,37 +69,72 @@ def _hash_body(body: dict[str, Any]) -> str:
     return hashlib.sha256(canonical_bytes(body)).hexdigest()
 
 
-class EffectCert:
-    """Proof that one effect ran, what it was built on, and what it returned."""
+name_json = string_bytes
+_FORMAT_JSON = string_bytes(CERT_FORMAT)
 
-    __slots__ = (
-        "agent",
-        "args",
-        "domain",
-        "hash",
-        "intent",
-        "parent",
-        "read_set",
-        "result",
-        "seq",
-        "tool",
-        "vector_clock",
+
+def spliced_hash(
+    intent: str,
+    parent: str | None,
+    domain: str,
+    seq: int,
+    tool: str,
+    args_json: bytes,
+    result_json: bytes,
+    vector_clock: dict[str, int],
+    read_set: Sequence[tuple[str, int]],
+    agent: str,
+) -> str:
+    """The certificate hash from parts already in canonical form.
+
+    RFC 8785 of an object is its members in key order, each value in canonical form, so the
+    body can be assembled from the canonical bytes of its parts: the fence canonicalized
+    ``args`` at prepare and ``result`` when it checked it, and need not walk them again.
+    ``tests/test_cert_clock.py`` proves this equals ``canonical_bytes(cert_body(...))``.
+    The keys below are in RFC 8785 order (all ASCII, so code-point order).
+    """
+    body = b"".join(
+        (
+            b'{"agent":',
+            name_json(agent),
+            b',"args":',
+            args_json,
+            b',"domain":',
+            name_json(domain),
+            b',"format":',
+            _FORMAT_JSON,
+            b',"intent":',
+            name_json(intent),
+            b',"parent":',
+            b"null" if parent is None else name_json(parent),
+            b',"read_set":',
+            canonical_bytes([[d, s] for d, s in read_set]) if read_set else b"[]",
+            b',"result":',
+            result_json,
+            b',"seq":',
+            str(seq).encode(),  # a safe integer (the fence caps seqs at 2**53-2)
+            b',"tool":',
+            name_json(tool),
+            b',"vector_clock":',
+            canonical_bytes(vector_clock),
+            b"}",
+        )
     )
+    return hashlib.sha256(body).hexdigest()
 
-    intent: str
-    parent: str | None
-    domain: str
-    seq: int
-    tool: str
-    args: Any
-    result: Any
-    vector_clock: dict[str, int]
-    read_set: tuple[tuple[str, int], ...]
-    agent: str
-    hash: str
 
-    def __init__(
-        self,
+class EffectCert(tuple[Any, ...]):
+    """Proof that one effect ran, what it was built on, and what it returned.
+
+    Immutable (a tuple underneath, so building one on the hot path is one C call). The
+    fields are attributes; nested ``args``/``result`` are plain JSON values, and changing
+    them in place is what :meth:`verify` exists to catch.
+    """
+
+    __slots__ = ()
+
+    def __new__(
+        cls,
         *,
         intent: str,
         parent: str | None,
@@ -112,44 +147,87 @@ class EffectCert:
         read_set: Iterable[tuple[str, int]],
         agent: str,
         hash: str | None = None,
-    ) -> None:
+    ) -> EffectCert:
         rs = tuple((d, s) for d, s in read_set)
         vc = dict(vector_clock)
-        body = cert_body(intent, parent, domain, seq, tool, args, result, vc, rs, agent)
-        try:
-            computed = _hash_body(body)
-        except CanonicalError as exc:
-            raise InvalidRequest(f"certificate is not canonical JSON: {exc}") from exc
-        set_ = object.__setattr__
-        set_(self, "intent", intent)
-        set_(self, "parent", parent)
-        set_(self, "domain", domain)
-        set_(self, "seq", seq)
-        set_(self, "tool", tool)
-        set_(self, "args", args)
-        set_(self, "result", result)
-        set_(self, "vector_clock", vc)
-        set_(self, "read_set", rs)
-        set_(self, "agent", agent)
+        if hash is None:
+            body = cert_body(intent, parent, domain, seq, tool, args, result, vc, rs, agent)
+            try:
+                hash = _hash_body(body)
+            except CanonicalError as exc:
+                raise InvalidRequest(f"certificate is not canonical JSON: {exc}") from exc
         # A given hash is kept as-is so verify() can tell a tampered certificate apart.
-        set_(self, "hash", computed if hash is None else hash)
+        return tuple.__new__(
+            cls, (intent, parent, domain, seq, tool, args, result, vc, rs, agent, hash)
+        )
 
-    def __setattr__(self, name: str, value: object) -> None:
-        raise AttributeError(f"EffectCert is immutable: cannot set {name!r}")
+    @classmethod
+    def _trusted(
+        cls,
+        intent: str,
+        parent: str | None,
+        domain: str,
+        seq: int,
+        tool: str,
+        args: Any,
+        result: Any,
+        vector_clock: dict[str, int],
+        read_set: tuple[tuple[str, int], ...],
+        agent: str,
+        hash: str,
+    ) -> EffectCert:
+        """Assemble from values the fence already validated and hashed."""
+        return tuple.__new__(
+            cls,
+            (intent, parent, domain, seq, tool, args, result, vector_clock, read_set, agent, hash),
+        )
+
+    @property
+    def intent(self) -> str:
+        return self[0]  # type: ignore[no-any-return]
+
+    @property
+    def parent(self) -> str | None:
+        return self[1]  # type: ignore[no-any-return]
+
+    @property
+    def domain(self) -> str:
+        return self[2]  # type: ignore[no-any-return]
+
+    @property
+    def seq(self) -> int:
+        return self[3]  # type: ignore[no-any-return]
+
+    @property
+    def tool(self) -> str:
+        return self[4]  # type: ignore[no-any-return]
+
+    @property
+    def args(self) -> Any:
+        return self[5]
+
+    @property
+    def result(self) -> Any:
+        return self[6]
+
+    @property
+    def vector_clock(self) -> dict[str, int]:
+        return self[7]  # type: ignore[no-any-return]
+
+    @property
+    def read_set(self) -> tuple[tuple[str, int], ...]:
+        return self[8]  # type: ignore[no-any-return]
+
+    @property
+    def agent(self) -> str:
+        return self[9]  # type: ignore[no-any-return]
+
+    @property
+    def hash(self) -> str:
+        return self[10]  # type: ignore[no-any-return]
 
     def body(self) -> dict[str, Any]:
-        return cert_body(
-            self.intent,
-            self.parent,
-            self.domain,
-            self.seq,
-            self.tool,
-            self.args,
-            self.result,
-            self.vector_clock,
-            self.read_set,
-            self.agent,
-        )
+        return cert_body(*self[:10])
 
     def compute_hash(self) -> str:
         return _hash_body(self.body())
@@ -220,6 +298,10 @@ class EffectCert:
             return NotImplemented
         return self.hash == other.hash and self.body() == other.body()
 
+    def __ne__(self, other: object) -> bool:
+        eq = self.__eq__(other)
+        return eq if eq is NotImplemented else not eq
+
     def __hash__(self) -> int:
         return hash(self.hash)
 
@@ -229,6 +311,9 @@ class EffectCert:
             f"EffectCert(intent={self.intent!r}, domain={self.domain!r}, seq={self.seq}, "
             f"hash={self.hash[:16]!r}...)"
         )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (EffectCert._trusted, tuple(self))
 
 
 def _expect(data: Mapping[str, Any], field: str, typ: type) -> None:

@@ -15,8 +15,14 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from effectfence.canonical import MAX_SAFE_INTEGER, CanonicalError, canonical_bytes
-from effectfence.cert import EffectCert
+from effectfence.canonical import (
+    MAX_SAFE_INTEGER,
+    CanonicalError,
+    canonical_bytes,
+    json_loads,
+    string_bytes,
+)
+from effectfence.cert import EffectCert, spliced_hash
 from effectfence.clock import VectorClock
 from effectfence.counters import new_table
 from effectfence.errors import (
@@ -29,7 +35,14 @@ from effectfence.errors import (
     ReadSetStale,
     Refusal,
 )
-from effectfence.model import Admission, EffectRequest, Fresh, PreparedEffect, Replay
+from effectfence.model import (
+    MAX_NAME_LENGTH,
+    Admission,
+    EffectRequest,
+    Fresh,
+    PreparedEffect,
+    Replay,
+)
 from effectfence.protocol import (
     Action,
     IntentRecord,
@@ -60,6 +73,8 @@ DEFAULT_SWEEP_BATCH = 10_000
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 20
 DEFAULT_MAX_DEPTH = 32
 _MAX_MOVES = 64  # a record that moves this often under one prepare is reported in flight
+
+_REPLAY, _CLAIM, _TAKEOVER = Action.REPLAY, Action.CLAIM, Action.TAKEOVER
 
 PREPARE_BUCKETS = ("admitted", "replayed", *REFUSAL_TYPES)
 EVENT_BUCKETS = (
@@ -146,13 +161,18 @@ class EffectFence:
         backend = store.counters_backend
         self._stats = new_table(backend if backend in ("atomic", "pure") else None)
         self._slot = {k: self._stats.slot(k) for k in (*PREPARE_BUCKETS, *EVENT_BUCKETS)}
+        self._inc = self._stats.reserve_slot
+        self._fp_depth = cfg.max_depth + 1  # args sit one level inside the fingerprinted object
+        # args plus the two names (at most 4 UTF-8 bytes a character) and the keys around them
+        self._fp_limit = cfg.max_args_bytes + 8 * MAX_NAME_LENGTH + 64
+        self._auto = cfg.auto_sweep
         self._waiters: dict[str, threading.Event] = {}
         self._next_sweep = -math.inf
         self._sweep_lock = threading.Lock()
 
     # -- statistics ---------------------------------------------------------------------------
     def _count(self, bucket: str) -> None:
-        self._stats.reserve_slot(self._slot[bucket])
+        self._inc(self._slot[bucket])
 
     def stats(self) -> dict[str, Any]:
         """Every prepare attempt in exactly one bucket, plus event counts and sizes."""
@@ -170,24 +190,37 @@ class EffectFence:
 
     # -- payloads -------------------------------------------------------------------------------
     def fingerprint(self, request: EffectRequest) -> str:
-        """SHA-256 of the canonical (tool, args, domain): what "same action" means (G4)."""
+        """Hex SHA-256 of the canonical {"args", "domain", "tool"}: what "same action" means."""
+        payload, _ = self._payload(request.intent, request.args, request.domain, request.tool)
+        return hashlib.sha256(payload).hexdigest()
+
+    def _payload(self, intent: str, args: Any, domain: str, tool: str) -> tuple[bytes, bytes]:
+        """(canonical payload, canonical args). The payload is the RFC 8785 form of
+        {"args", "domain", "tool"}, assembled from the canonical args (spliced_hash's
+        principle), so the certificate can reuse the args' bytes at commit. The store turns
+        it into the fingerprint it keeps (``FenceStore.fingerprint_of``)."""
         cfg = self.config
         try:
-            data = canonical_bytes(
-                {"args": request.args, "domain": request.domain, "tool": request.tool},
-                max_depth=cfg.max_depth + 1,
-                max_bytes=cfg.max_args_bytes + len(request.domain) * 6 + len(request.tool) * 6 + 40,
+            args_json = canonical_bytes(args, max_depth=cfg.max_depth, max_bytes=cfg.max_args_bytes)
+            payload = b"".join(
+                (
+                    b'{"args":',
+                    args_json,
+                    b',"domain":',
+                    string_bytes(domain),
+                    b',"tool":',
+                    string_bytes(tool),
+                    b"}",
+                )
             )
         except CanonicalError as exc:
-            raise InvalidRequest(
-                f"args of {request.intent!r}: {exc}", intent=request.intent
-            ) from exc
-        return hashlib.sha256(data).hexdigest()
+            raise InvalidRequest(f"args of {intent!r}: {exc}", intent=intent) from exc
+        return payload, args_json
 
-    def _check_result(self, intent: str, result: Any) -> None:
+    def _result_json(self, intent: str, result: Any) -> bytes:
         cfg = self.config
         try:
-            canonical_bytes(result, max_depth=cfg.max_depth, max_bytes=cfg.max_result_bytes)
+            return canonical_bytes(result, max_depth=cfg.max_depth, max_bytes=cfg.max_result_bytes)
         except CanonicalError as exc:
             raise InvalidRequest(f"result of {intent!r}: {exc}", intent=intent) from exc
 
@@ -197,24 +230,30 @@ class EffectFence:
         if type(request) is not EffectRequest:
             self._count("invalid_request")
             raise InvalidRequest(f"prepare takes an EffectRequest, got {type(request).__name__}")
+        store = self.store
         try:
-            fp = self.fingerprint(request)
+            payload, args_json = self._payload(
+                request.intent, request.args, request.domain, request.tool
+            )
         except InvalidRequest:
             self._count("invalid_request")
             raise
-        store = self.store
+        fp = store.fingerprint_of(payload)
         intent = request.intent
-        if self.config.auto_sweep and store.now() >= self._next_sweep:
+        now = store.now()
+        if self._auto and now >= self._next_sweep:
             self._auto_sweep()
-        for _ in range(_MAX_MOVES):
             now = store.now()
+        for attempt in range(_MAX_MOVES):
+            if attempt:
+                now = store.now()
             rec = store.get(intent)
             row, action = decide_prepare(rec, now, fp)
-            if action is Action.REPLAY:
+            if action is _REPLAY:
                 assert rec is not None
-                self._count("replayed")
+                self._inc(self._slot["replayed"])
                 return Replay(rec.cert)
-            if action is not Action.CLAIM and action is not Action.TAKEOVER:
+            if action is not _CLAIM and action is not _TAKEOVER:
                 assert rec is not None
                 refusal = prepare_refusal(action, row, rec, now, intent)
                 self._count(refusal.code)
@@ -233,11 +272,12 @@ class EffectFence:
                 return self._admit(
                     request,
                     fp,
+                    args_json,
                     res.seq,
                     res.token,
                     res.lease_until,
                     res.head,
-                    action is Action.TAKEOVER,
+                    action is _TAKEOVER,
                 )
             if res.stale is not None:
                 d, want, got = res.stale
@@ -273,7 +313,8 @@ class EffectFence:
     def _admit(
         self,
         request: EffectRequest,
-        fp: str,
+        fp: bytes,
+        args_json: bytes,
         seq: int,
         token: int,
         lease_until: float,
@@ -287,11 +328,16 @@ class EffectFence:
                 "a certificate could not record this seq",
                 intent=request.intent,
             )
+        # merge(known_clock, domain head clock), ticked at the agent: built as one dict
+        counters = dict(head.clock)
         known = request.known_clock
-        clock = VectorClock._trusted(dict(head.clock)) if head.clock else VectorClock._trusted({})
         if known:
-            clock = clock.merge(known)
-        clock = clock.tick(request.agent)
+            for a, n in known.items():
+                if n > counters.get(a, 0):
+                    counters[a] = n
+        agent = request.agent
+        counters[agent] = counters.get(agent, 0) + 1
+        clock = VectorClock._trusted(counters)
         domain = request.domain
         ticket = PreparedEffect(
             intent=request.intent,
@@ -307,6 +353,7 @@ class EffectFence:
             expected_seq=request.expected_seq,
             lease_until=lease_until,
             fingerprint=fp,
+            args_json=args_json,
         )
         self._count("admitted")
         if takeover:
@@ -315,7 +362,12 @@ class EffectFence:
         return Fresh(ticket, takeover)
 
     # -- ticket operations ------------------------------------------------------------------------
-    def _check_ticket(self, op: str, ticket: PreparedEffect) -> IntentRecord:
+    def _check_ticket(self, op: str, ticket: PreparedEffect) -> bytes:
+        """Refuse a ticket that is not the current lease (G2) or not the admitted payload.
+
+        Returns the canonical args. A ticket that crossed a process boundary carries no
+        fingerprint of its own: its payload is recomputed from its (authenticated) fields.
+        """
         if type(ticket) is not PreparedEffect:
             raise InvalidTicket(f"{op} takes a PreparedEffect ticket, got {type(ticket).__name__}")
         store = self.store
@@ -325,14 +377,21 @@ class EffectFence:
             self._count("refused_ticket_ops")
             raise refusal
         assert rec is not None
-        if rec.fingerprint != ticket.fingerprint:
+        fp = ticket.fingerprint
+        args_json = ticket.args_json
+        if fp is None or args_json is None:
+            payload, args_json = self._payload(
+                ticket.intent, ticket.args, ticket.domain, ticket.tool
+            )
+            fp = store.fingerprint_of(payload)
+        if rec.fingerprint != fp:
             self._count("refused_ticket_ops")
             raise InvalidTicket(
                 f"can't {op} {ticket.intent!r}: the ticket's payload is not the admitted one",
                 intent=ticket.intent,
                 token=ticket.token,
             )
-        return rec
+        return args_json
 
     def _lost(self, op: str, ticket: PreparedEffect, current: IntentRecord | None) -> Refusal:
         self._count("refused_ticket_ops")
@@ -345,25 +404,47 @@ class EffectFence:
 
     def commit(self, ticket: PreparedEffect, result: Any) -> EffectCert:
         """Record the effect's result; DONE with a certificate, atomically with the token check."""
-        self._check_ticket("commit", ticket)
-        self._check_result(ticket.intent, result)
+        args_json = self._check_ticket("commit", ticket)
+        intent = ticket.intent
+        result_json = self._result_json(intent, result)
         domain = ticket.domain
         # Strict about its own domain (expected_seq, or a read-set entry on it): judged
         # against the ticket's own reservation, since the ticket itself moved the domain.
-        strict = ticket.expected_seq is not None or any(d == domain for d, _ in ticket.read_set)
+        read_set = ticket.read_set
+        strict = ticket.expected_seq is not None or any(d == domain for d, _ in read_set)
         own_seq = ticket.seq if strict else None
-        others = [(d, s) for d, s in ticket.read_set if d != domain]
-        cert = EffectCert(
-            intent=ticket.intent,
-            parent=ticket.parent,
-            domain=ticket.domain,
-            seq=ticket.seq,
-            tool=ticket.tool,
-            args=ticket.args,
-            result=result,
-            vector_clock=ticket.vector_clock.to_dict(),
-            read_set=ticket.read_set,
-            agent=ticket.agent,
+        others = [(d, s) for d, s in read_set if d != domain] if read_set else read_set
+        vc = ticket.vector_clock.to_dict()
+        rs = tuple((d, s) for d, s in read_set)
+        try:
+            digest = spliced_hash(
+                intent,
+                ticket.parent,
+                domain,
+                ticket.seq,
+                ticket.tool,
+                args_json,
+                result_json,
+                vc,
+                rs,
+                ticket.agent,
+            )
+        except CanonicalError as exc:
+            raise InvalidRequest(f"certificate of {intent!r}: {exc}", intent=intent) from exc
+        # The certificate keeps private copies decoded from the hashed bytes, so neither the
+        # caller's args nor its result object can change a certificate after the fact (G3).
+        cert = EffectCert._trusted(
+            intent,
+            ticket.parent,
+            domain,
+            ticket.seq,
+            ticket.tool,
+            json_loads(args_json),
+            json_loads(result_json),
+            vc,
+            rs,
+            ticket.agent,
+            digest,
         )
         store = self.store
         until = store.now() + self._result_ttl

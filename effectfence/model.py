@@ -109,22 +109,33 @@ class EffectRequest:
         known_clock: Mapping[str, int] | None = None,
         expected_seq: int | None = None,
     ) -> None:
-        self.intent = _name("intent", intent)
-        self.domain = _name("domain", domain)
-        self.tool = _name("tool", tool)
-        self.agent = _name("agent", agent)
-        if args is None:
-            args = {}
-        elif type(args) is not dict:
-            if not isinstance(args, Mapping):
+        # Inline checks: this runs once per attempt, duplicates included (the hot path).
+        n = MAX_NAME_LENGTH
+        if type(intent) is not str or not 0 < len(intent) <= n:
+            _name("intent", intent)
+        if type(domain) is not str or not 0 < len(domain) <= n:
+            _name("domain", domain)
+        if type(tool) is not str or not 0 < len(tool) <= n:
+            _name("tool", tool)
+        if type(agent) is not str or not 0 < len(agent) <= n:
+            _name("agent", agent)
+        self.intent = intent
+        self.domain = domain
+        self.tool = tool
+        self.agent = agent
+        if type(args) is not dict:
+            if args is None:
+                args = {}
+            elif isinstance(args, Mapping):
+                args = dict(args)
+            else:
                 raise InvalidRequest(f"args must be a JSON object, got {type(args).__name__}")
-            args = dict(args)
         self.args = args
-        self.read_set = _read_set(read_set)
+        self.read_set = _read_set(read_set) if read_set else ()
         if parent is not None and (type(parent) is not str or not parent):
             raise InvalidRequest("parent must be a certificate hash (a non-empty string)")
         self.parent = parent
-        if known_clock is None or isinstance(known_clock, VectorClock):
+        if known_clock is None or type(known_clock) is VectorClock:
             self.known_clock = known_clock
         else:
             try:
@@ -158,6 +169,7 @@ class PreparedEffect:
     __slots__ = (
         "agent",
         "args",
+        "args_json",
         "domain",
         "expected_seq",
         "fingerprint",
@@ -186,7 +198,8 @@ class PreparedEffect:
         vector_clock: VectorClock,
         expected_seq: int | None,
         lease_until: float,
-        fingerprint: str,
+        fingerprint: bytes | None = None,
+        args_json: bytes | None = None,
     ) -> None:
         self.intent = intent
         self.domain = domain
@@ -200,7 +213,11 @@ class PreparedEffect:
         self.vector_clock = vector_clock
         self.expected_seq = expected_seq
         self.lease_until = lease_until
+        #: the store's fingerprint of the admitted payload; None on a ticket that crossed a
+        #: process boundary (the fence then recomputes it from the ticket's fields)
         self.fingerprint = fingerprint
+        #: canonical bytes of ``args`` as admitted (not on the wire: recomputed from args)
+        self.args_json = args_json
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form (for the wire, where it is authenticated by :mod:`effectfence.tickets`)."""
@@ -217,7 +234,6 @@ class PreparedEffect:
             "vector_clock": self.vector_clock.to_dict(),
             "expected_seq": self.expected_seq,
             "lease_until": self.lease_until,
-            "fingerprint": self.fingerprint,
         }
 
     @classmethod
@@ -238,7 +254,6 @@ class PreparedEffect:
                 if data["expected_seq"] is None
                 else _seq("expected_seq", data["expected_seq"]),
                 lease_until=float(data["lease_until"]),
-                fingerprint=_name("fingerprint", data["fingerprint"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidRequest(f"malformed ticket: {exc}") from exc

@@ -65,6 +65,9 @@ class State(Enum):
     def __repr__(self) -> str:
         return self.name
 
+    # identity hash in C: these are table keys on the hot path, and Enum's hash is Python
+    __hash__ = object.__hash__
+
 
 class Row(Enum):
     """A record as seen at one instant: the rows of the DESIGN.md state table."""
@@ -79,6 +82,9 @@ class Row(Enum):
     def __repr__(self) -> str:
         return self.name
 
+    # identity hash in C: these are table keys on the hot path, and Enum's hash is Python
+    __hash__ = object.__hash__
+
 
 class Action(Enum):
     CLAIM = "claim"  # install a new IN_FLIGHT record with a new token
@@ -91,6 +97,9 @@ class Action(Enum):
     def __repr__(self) -> str:
         return self.name
 
+    # identity hash in C: these are table keys on the hot path, and Enum's hash is Python
+    __hash__ = object.__hash__
+
 
 class TicketVerdict(Enum):
     ALLOW = "allow"
@@ -98,6 +107,9 @@ class TicketVerdict(Enum):
 
     def __repr__(self) -> str:
         return self.name
+
+    # identity hash in C: these are table keys on the hot path, and Enum's hash is Python
+    __hash__ = object.__hash__
 
 
 class IntentRecord:
@@ -122,10 +134,9 @@ class IntentRecord:
         intent: str,
         state: State,
         token: int,
-        fingerprint: str,
+        fingerprint: bytes,
         domain: str,
         agent: str,
-        *,
         lease_until: float = 0.0,
         cert: Any = None,
         until: float = 0.0,
@@ -154,13 +165,21 @@ class IntentRecord:
 def observe(record: IntentRecord | None, now: float) -> Row:
     """Rule 1: classify a record at ``now``. Leases and results end *at* their deadline."""
     if record is None:
-        return Row.ABSENT
+        return _ABSENT
     state = record.state
-    if state is State.IN_FLIGHT:
-        return Row.IN_FLIGHT_LIVE if now < record.lease_until else Row.IN_FLIGHT_LAPSED
-    if state is State.DONE:
-        return Row.DONE_LIVE if now < record.until else Row.DONE_EXPIRED
-    return Row.FAILED
+    if state is _S_IN_FLIGHT:
+        return _IN_FLIGHT_LIVE if now < record.lease_until else _IN_FLIGHT_LAPSED
+    if state is _S_DONE:
+        return _DONE_LIVE if now < record.until else _DONE_EXPIRED
+    return _FAILED
+
+
+# Module-level aliases: an Enum class attribute costs a metaclass lookup on the hot path.
+_S_IN_FLIGHT, _S_DONE = State.IN_FLIGHT, State.DONE
+_ABSENT, _FAILED = Row.ABSENT, Row.FAILED
+_IN_FLIGHT_LIVE, _IN_FLIGHT_LAPSED = Row.IN_FLIGHT_LIVE, Row.IN_FLIGHT_LAPSED
+_DONE_LIVE, _DONE_EXPIRED = Row.DONE_LIVE, Row.DONE_EXPIRED
+_ALLOW = TicketVerdict.ALLOW
 
 
 # Rule 2. Key: (row, payload equals the recorded payload). ABSENT and DONE_EXPIRED have no
@@ -199,11 +218,17 @@ TICKET_TABLE: dict[tuple[Row, bool], TicketVerdict] = {
 }
 
 
-def decide_prepare(record: IntentRecord | None, now: float, fingerprint: str) -> tuple[Row, Action]:
+_CLAIM = PREPARE_TABLE[Row.ABSENT, True]
+
+
+def decide_prepare(
+    record: IntentRecord | None, now: float, fingerprint: bytes
+) -> tuple[Row, Action]:
     """Rule 2: what prepare may do with this record."""
+    if record is None:
+        return _ABSENT, _CLAIM
     row = observe(record, now)
-    same = record is None or record.fingerprint == fingerprint
-    return row, PREPARE_TABLE[row, same]
+    return row, PREPARE_TABLE[row, record.fingerprint == fingerprint]
 
 
 def prepare_refusal(
@@ -228,7 +253,6 @@ def prepare_refusal(
             intent=intent,
             state=row.value,
             holder=record.agent,
-            recorded_fingerprint=record.fingerprint,
         )
     if action is Action.REFUSE_FAILED:
         return IntentFailed(
@@ -249,8 +273,7 @@ def judge_ticket(
     """Rule 3: None when ``op`` may proceed with ``token``, else the refusal to raise."""
     row = observe(record, now)
     current = record is not None and record.token == token
-    verdict = TICKET_TABLE[row, current]
-    if verdict is TicketVerdict.ALLOW:
+    if TICKET_TABLE[row, current] is _ALLOW:
         return None
     held = "" if record is None else f"; current token {record.token}"
     return LeaseLost(
@@ -260,3 +283,35 @@ def judge_ticket(
         token=token,
         holder=None if record is None else record.agent,
     )
+
+
+# Edges that time and the ticket operations add to the prepare table, for the diagram.
+_OTHER_EDGES = (
+    (Row.IN_FLIGHT_LIVE, Row.DONE_LIVE, "commit (current token)"),
+    (Row.IN_FLIGHT_LIVE, Row.FAILED, "abort, or commit on a stale read set"),
+    (Row.IN_FLIGHT_LIVE, Row.ABSENT, "release (current token)"),
+    (Row.IN_FLIGHT_LIVE, Row.IN_FLIGHT_LIVE, "renew (current token)"),
+    (Row.IN_FLIGHT_LIVE, Row.IN_FLIGHT_LAPSED, "lease_ttl passes"),
+    (Row.IN_FLIGHT_LAPSED, Row.DONE_LIVE, "commit (token still current)"),
+    (Row.IN_FLIGHT_LAPSED, Row.ABSENT, "sweep"),
+    (Row.DONE_LIVE, Row.DONE_EXPIRED, "result_ttl passes"),
+    (Row.DONE_EXPIRED, Row.ABSENT, "sweep"),
+    (Row.FAILED, Row.ABSENT, "clear_intent (operator)"),
+)
+
+
+def diagram() -> str:
+    """The state table as a Mermaid diagram; the README's copy is checked against this."""
+    lines = ["stateDiagram-v2"]
+    seen: set[tuple[Row, Action]] = set()
+    for (row, same), action in PREPARE_TABLE.items():
+        if (row, action) in seen:
+            continue  # both payload halves lead to the same action: one edge
+        seen.add((row, action))
+        both = PREPARE_TABLE[row, not same] is action
+        payload = "" if both else (" (same payload)" if same else " (other payload)")
+        target = Row.IN_FLIGHT_LIVE if action in (Action.CLAIM, Action.TAKEOVER) else row
+        lines.append(f"    {row.value} --> {target.value}: prepare{payload} = {action.value}")
+    for src, dst, label in _OTHER_EDGES:
+        lines.append(f"    {src.value} --> {dst.value}: {label}")
+    return "\n".join(lines)

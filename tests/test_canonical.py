@@ -499,3 +499,15 @@ def test_orjson_is_never_asked_where_it_is_not_exact(value: Any) -> None:
             canonical_bytes(value)
     else:
         assert canonical_bytes(value) == exact
+
+
+@HYPO
+@given(TEXT | st.text())
+def test_string_bytes_is_exact(text: str) -> None:
+    try:
+        expected = _exact_bytes(text)
+    except CanonicalError:
+        with pytest.raises(CanonicalError):
+            canonical.string_bytes(text)
+        return
+    assert canonical.string_bytes(text) == expected

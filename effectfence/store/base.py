@@ -14,6 +14,7 @@ wall clock.
 
 from __future__ import annotations
 
+import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
@@ -51,11 +52,11 @@ class ClaimResult:
     def __init__(
         self,
         ok: bool,
-        *,
         seq: int = 0,
         token: int = 0,
         lease_until: float = 0.0,
         head: Head = EMPTY_HEAD,
+        *,
         current: IntentRecord | None = None,
         stale: tuple[str, int, int | None] | None = None,
         race: int | None = None,
@@ -95,6 +96,13 @@ class FenceStore(ABC):
     #: which counter table backs the domain sequences ("atomic", "pure", "sql", ...)
     counters_backend: str = "n/a"
 
+    def fingerprint_of(self, payload: bytes) -> bytes:
+        """What the store keeps to recognise "the same payload": by default its SHA-256.
+
+        ``payload`` is the RFC 8785 form of {"args", "domain", "tool"}; two requests are the
+        same action exactly when their payloads are equal (G4)."""
+        return hashlib.sha256(payload).digest()
+
     @abstractmethod
     def now(self) -> float:
         """The store's clock, in seconds; leases and TTLs are judged by it alone."""
@@ -108,7 +116,7 @@ class FenceStore(ABC):
         self,
         intent: str,
         *,
-        fingerprint: str,
+        fingerprint: bytes,
         domain: str,
         agent: str,
         lease_ttl: float,

@@ -36,6 +36,8 @@ from effectfence.store.base import EMPTY_HEAD, ClaimResult, CommitResult, FenceS
 __all__ = ["DEFAULT_STRIPES", "DEFAULT_WHEEL_GRANULARITY", "MemoryStore"]
 
 _RECLAIMABLE = (Row.IN_FLIGHT_LAPSED, Row.DONE_EXPIRED)
+_IN_FLIGHT = State.IN_FLIGHT
+_DONE = State.DONE
 
 DEFAULT_STRIPES = 64
 DEFAULT_WHEEL_GRANULARITY = 0.25
@@ -80,6 +82,10 @@ class MemoryStore(FenceStore):
     def now(self) -> float:
         return self._clock()
 
+    def fingerprint_of(self, payload: bytes) -> bytes:
+        """The payload itself: comparing it costs less than hashing it, and replays compare."""
+        return payload
+
     def _lock(self, intent: str) -> threading.Lock:
         return self._locks[hash(intent) & self._mask]
 
@@ -118,7 +124,7 @@ class MemoryStore(FenceStore):
         self,
         intent: str,
         *,
-        fingerprint: str,
+        fingerprint: bytes,
         domain: str,
         agent: str,
         lease_ttl: float,
@@ -156,7 +162,7 @@ class MemoryStore(FenceStore):
             token = self.new_token()
             lease_until = now + lease_ttl
             self._records[intent] = IntentRecord(
-                intent, State.IN_FLIGHT, token, fingerprint, domain, agent, lease_until=lease_until
+                intent, _IN_FLIGHT, token, fingerprint, domain, agent, lease_until
             )
             if not takeover:
                 self._claims.reserve(domain)
@@ -165,7 +171,7 @@ class MemoryStore(FenceStore):
                 self._claims.reserve(domain)
             head = self._heads.get(domain, EMPTY_HEAD)
         self._schedule(lease_until, intent, token)
-        return ClaimResult(True, seq=seq, token=token, lease_until=lease_until, head=head)
+        return ClaimResult(True, seq, token, lease_until, head)
 
     def complete(
         self,
@@ -180,7 +186,7 @@ class MemoryStore(FenceStore):
         with self._lock(intent):
             now = self._clock()
             cur = self._records.get(intent)
-            if cur is None or cur.state is not State.IN_FLIGHT or cur.token != token:
+            if cur is None or cur.state is not _IN_FLIGHT or cur.token != token:
                 return CommitResult(False, current=cur)
             stale = self._stale(read_set) if read_set else None
             if stale is None and own_seq is not None:
@@ -201,14 +207,7 @@ class MemoryStore(FenceStore):
                 self._finishes.reserve(cur.domain)
                 return CommitResult(False, current=cur, stale=stale)
             self._records[intent] = IntentRecord(
-                intent,
-                State.DONE,
-                token,
-                cur.fingerprint,
-                cur.domain,
-                cur.agent,
-                cert=cert,
-                until=until,
+                intent, _DONE, token, cur.fingerprint, cur.domain, cur.agent, 0.0, cert, until
             )
             self._finishes.reserve(cur.domain)
             with self._heads_lock:
@@ -228,13 +227,13 @@ class MemoryStore(FenceStore):
         """Compare-by-token: replace an in-flight record of ``token`` with ``new``."""
         with self._lock(intent):
             cur = self._records.get(intent)
-            if cur is None or cur.state is not State.IN_FLIGHT or cur.token != token:
+            if cur is None or cur.state is not _IN_FLIGHT or cur.token != token:
                 return False, cur
             if new is None:
                 del self._records[intent]
             else:
                 self._records[intent] = new
-            if new is None or new.state is not State.IN_FLIGHT:
+            if new is None or new.state is not _IN_FLIGHT:
                 self._finishes.reserve(cur.domain)
             return True, cur
 
@@ -280,7 +279,7 @@ class MemoryStore(FenceStore):
     def clear(self, intent: str) -> IntentRecord | None:
         with self._lock(intent):
             cur = self._records.pop(intent, None)
-            if cur is not None and cur.state is State.IN_FLIGHT:
+            if cur is not None and cur.state is _IN_FLIGHT:
                 self._finishes.reserve(cur.domain)
             return cur
 
