@@ -511,3 +511,8 @@ def test_string_bytes_is_exact(text: str) -> None:
             canonical.string_bytes(text)
         return
     assert canonical.string_bytes(text) == expected
+
+
+def test_string_bytes_refuses_lone_surrogates() -> None:
+    with pytest.raises(CanonicalError):
+        canonical.string_bytes("a\ud800b")

@@ -7,11 +7,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from effectfence import EffectCert, InvalidRequest, VectorClock, verify_chain
-from effectfence.canonical import canonical_str
+from effectfence import (
+    EffectCert,
+    EffectFence,
+    EffectRequest,
+    InvalidRequest,
+    VectorClock,
+    verify_chain,
+)
+from effectfence.canonical import canonical_bytes, canonical_str
+from effectfence.cert import spliced_hash
 
 VECTORS = json.loads((Path(__file__).parent / "vectors" / "certs.json").read_text())
 
@@ -89,3 +97,79 @@ def test_vector_clock_validation_and_canonical_digest() -> None:
             VectorClock(bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         VectorClock().tick("")
+
+
+names = st.text(min_size=1, max_size=12)
+json_leaf = st.none() | st.booleans() | st.integers(-(2**53) + 1, 2**53 - 1) | st.text(max_size=8)
+json_val = st.recursive(
+    json_leaf | st.floats(allow_nan=False, allow_infinity=False),
+    lambda i: st.lists(i, max_size=4) | st.dictionaries(st.text(max_size=6), i, max_size=4),
+    max_leaves=15,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    names,
+    st.none() | st.text(min_size=1, max_size=64),
+    names,
+    st.integers(0, 2**53 - 2),
+    names,
+    st.dictionaries(st.text(max_size=6), json_val, max_size=4),
+    json_val,
+    st.dictionaries(names, st.integers(1, 99), max_size=3),
+    st.lists(st.tuples(names, st.integers(0, 2**53 - 2)), max_size=3),
+    names,
+)
+def test_spliced_hash_equals_the_canonical_body_hash(
+    intent: str,
+    parent: str | None,
+    domain: str,
+    seq: int,
+    tool: str,
+    args: dict[str, Any],
+    result: Any,
+    vc: dict[str, int],
+    rs: list[tuple[str, int]],
+    agent: str,
+) -> None:
+    """The fence assembles certificate bodies from canonical parts; prove it is exact."""
+    full = EffectCert(
+        intent=intent,
+        parent=parent,
+        domain=domain,
+        seq=seq,
+        tool=tool,
+        args=args,
+        result=result,
+        vector_clock=vc,
+        read_set=rs,
+        agent=agent,
+    )
+    spliced = spliced_hash(
+        intent,
+        parent,
+        domain,
+        seq,
+        tool,
+        canonical_bytes(args),
+        canonical_bytes(result),
+        vc,
+        rs,
+        agent,
+    )
+    assert spliced == full.hash
+
+
+def test_certificate_keeps_private_copies() -> None:
+    fence = EffectFence()
+    args: dict[str, Any] = {"cents": 500, "items": [1, 2]}
+    result: dict[str, Any] = {"id": "ch_1"}
+    adm = fence.prepare(EffectRequest("i", "d", "charge", args, "a"))
+    args["items"].append(3)  # the caller's objects change after the fact...
+    cert = fence.commit(adm.ticket, result)
+    result["id"] = "forged"
+    replay = fence.prepare(EffectRequest("i", "d", "charge", {"cents": 500, "items": [1, 2]}, "b"))
+    assert replay.cert.verify() and replay.cert.hash == cert.hash  # ...the record does not
+    assert replay.cert.args == {"cents": 500, "items": [1, 2]}
+    assert replay.cert.result == {"id": "ch_1"}
