@@ -514,6 +514,19 @@ def canonical_bytes(value: object, *, max_depth: int = 64, max_bytes: int | None
     return data
 
 
+def sort_keys_bytes(flat: dict[str, int]) -> bytes:
+    """A flat dict of ASCII keys to safe non-negative ints (a vector clock), encoded.
+
+    For that shape any sorted JSON encoder is exact; the caller guarantees the shape."""
+    if _orjson is not None:
+        try:
+            out: bytes = _orjson.dumps(flat, option=_OJ_SORT | _orjson.OPT_STRICT_INTEGER)
+            return out
+        except TypeError:
+            pass
+    return canonical_bytes(flat)
+
+
 def json_loads(data: bytes) -> Any:
     """Parse JSON this module produced (a cheap deep copy of a canonical value)."""
     if _orjson is not None:

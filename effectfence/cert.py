@@ -16,7 +16,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from effectfence.canonical import CanonicalError, canonical_bytes, string_bytes
+from effectfence.canonical import (
+    CanonicalError,
+    canonical_bytes,
+    sort_keys_bytes,
+    string_bytes,
+)
 from effectfence.errors import InvalidRequest
 
 __all__ = ["CERT_FORMAT", "ChainReport", "EffectCert", "spliced_hash", "verify_chain"]
@@ -73,6 +78,15 @@ name_json = string_bytes
 _FORMAT_JSON = string_bytes(CERT_FORMAT)
 
 
+def clock_bytes(clock: dict[str, int]) -> bytes:
+    """RFC 8785 form of a vector clock: ASCII agent names sort the same in every order, so
+    the sorted encoder is exact for them; anything else takes the full path."""
+    for agent in clock:
+        if not agent.isascii():
+            return canonical_bytes(clock)
+    return sort_keys_bytes(clock)
+
+
 def spliced_hash(
     intent: str,
     parent: str | None,
@@ -116,7 +130,7 @@ def spliced_hash(
             b',"tool":',
             name_json(tool),
             b',"vector_clock":',
-            canonical_bytes(vector_clock),
+            clock_bytes(vector_clock),
             b"}",
         )
     )

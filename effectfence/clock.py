@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from effectfence.canonical import sha256_hex
+from effectfence.canonical import MAX_SAFE_INTEGER, sha256_hex
 
 __all__ = ["VectorClock"]
 
@@ -32,8 +32,10 @@ class VectorClock(Mapping[str, int]):
             for agent, n in counters.items():
                 if type(agent) is not str or not agent:
                     raise ValueError(f"vector clock agent must be a non-empty str, got {agent!r}")
-                if type(n) is not int or n < 0:
-                    raise ValueError(f"vector clock counter for {agent!r} must be an int >= 0")
+                if type(n) is not int or not 0 <= n <= MAX_SAFE_INTEGER:
+                    raise ValueError(
+                        f"vector clock counter for {agent!r} must be an int in [0, 2**53-1]"
+                    )
                 if n:
                     clean[agent] = n
         self._c = clean

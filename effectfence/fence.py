@@ -411,11 +411,15 @@ class EffectFence:
         # Strict about its own domain (expected_seq, or a read-set entry on it): judged
         # against the ticket's own reservation, since the ticket itself moved the domain.
         read_set = ticket.read_set
-        strict = ticket.expected_seq is not None or any(d == domain for d, _ in read_set)
+        others: tuple[tuple[str, int], ...] = ()
+        rs: tuple[tuple[str, int], ...] = ()
+        strict = ticket.expected_seq is not None
+        if read_set:
+            strict = strict or any(d == domain for d, _ in read_set)
+            others = tuple((d, s) for d, s in read_set if d != domain)
+            rs = tuple((d, s) for d, s in read_set)
         own_seq = ticket.seq if strict else None
-        others = [(d, s) for d, s in read_set if d != domain] if read_set else read_set
         vc = ticket.vector_clock.to_dict()
-        rs = tuple((d, s) for d, s in read_set)
         try:
             digest = spliced_hash(
                 intent,

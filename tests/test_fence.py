@@ -497,6 +497,7 @@ def test_oversized_and_deep_payloads_refused(make_fence: FenceFactory) -> None:
         lambda: EffectRequest("i", "d", "t", {}, "a", read_set=[("d", "1")]),
         lambda: EffectRequest("i", "d", "t", {}, "a", read_set=[("d", 1), ("d", 2)]),
         lambda: EffectRequest("i", "d", "t", {}, "a", known_clock={"x": -1}),
+        lambda: EffectRequest("i", "d", "t", {}, "a", known_clock={"x": 2**60}),
         lambda: EffectRequest("i" * 600, "d", "t"),
     ],
 )
