@@ -340,20 +340,20 @@ class EffectFence:
         clock = VectorClock._trusted(counters)
         domain = request.domain
         ticket = PreparedEffect(
-            intent=request.intent,
-            domain=domain,
-            seq=seq,
-            token=token,
-            agent=request.agent,
-            tool=request.tool,
-            args=request.args,
-            read_set=request.read_set,
-            parent=request.parent if request.parent is not None else head.hash,
-            vector_clock=clock,
-            expected_seq=request.expected_seq,
-            lease_until=lease_until,
-            fingerprint=fp,
-            args_json=args_json,
+            request.intent,
+            domain,
+            seq,
+            token,
+            agent,
+            request.tool,
+            request.args,
+            request.read_set,
+            request.parent if request.parent is not None else head.hash,
+            clock,
+            request.expected_seq,
+            lease_until,
+            fp,
+            args_json,
         )
         self._count("admitted")
         if takeover:

@@ -185,7 +185,6 @@ class PreparedEffect:
 
     def __init__(
         self,
-        *,
         intent: str,
         domain: str,
         seq: int,

@@ -36,6 +36,7 @@ from effectfence.store.base import EMPTY_HEAD, ClaimResult, CommitResult, FenceS
 __all__ = ["DEFAULT_STRIPES", "DEFAULT_WHEEL_GRANULARITY", "MemoryStore"]
 
 _RECLAIMABLE = (Row.IN_FLIGHT_LAPSED, Row.DONE_EXPIRED)
+_COMMITTED = CommitResult(True)
 _IN_FLIGHT = State.IN_FLIGHT
 _DONE = State.DONE
 
@@ -184,7 +185,6 @@ class MemoryStore(FenceStore):
         own_seq: int | None,
     ) -> CommitResult:
         with self._lock(intent):
-            now = self._clock()
             cur = self._records.get(intent)
             if cur is None or cur.state is not _IN_FLIGHT or cur.token != token:
                 return CommitResult(False, current=cur)
@@ -202,7 +202,7 @@ class MemoryStore(FenceStore):
                     cur.domain,
                     cur.agent,
                     reason="read_set_stale",
-                    since=now,
+                    since=self._clock(),
                 )
                 self._finishes.reserve(cur.domain)
                 return CommitResult(False, current=cur, stale=stale)
@@ -217,9 +217,9 @@ class MemoryStore(FenceStore):
                     if n > clock.get(a, 0):
                         clock[a] = n
                 self._heads[cur.domain] = Head(cert.hash, clock)
-        if math.isfinite(until):
+        if until < math.inf:
             self._schedule(until, intent, token)
-        return CommitResult(True)
+        return _COMMITTED
 
     def _finish(
         self, intent: str, token: int, new: IntentRecord | None
