@@ -6,13 +6,17 @@ project adds itself here and joins every conformance, chaos and stateful test.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import sys
 import threading
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from effectfence import EffectFence
 from effectfence.counters import AtomicCounterTable, new_table
-from effectfence.store.base import FenceStore
+from effectfence.protocol import IntentRecord
+from effectfence.store.base import ClaimResult, CommitResult, FenceStore
 from effectfence.store.memory import MemoryStore
 
 
@@ -71,3 +75,117 @@ def race(n: int, fn: Callable[[int], T]) -> list[T | BaseException]:
     for t in threads:
         t.join()
     return [o for o in out if o is not None]
+
+
+# -- forced interleavings (appended for the chaos / linearizability suites) -------------------
+
+
+class HookedStore(FenceStore):
+    """Any store, with one-shot hooks run just *before* a contract operation reaches it.
+
+    A hook is the other party of a check-then-act race: the fence has observed the record and
+    decided, and the hook changes the world before the store's conditional step runs. This
+    pins the interleaving exactly, on every store, with no sleeps and no luck.
+    """
+
+    def __init__(self, inner: FenceStore) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.counters_backend = inner.counters_backend
+        self.hooks: dict[str, list[Callable[[], object]]] = {}
+
+    def before(self, op: str, hook: Callable[[], object]) -> None:
+        """Run ``hook()`` once, right before the next call of ``op`` reaches the store."""
+        self.hooks.setdefault(op, []).append(hook)
+
+    def _fire(self, op: str) -> None:
+        pending = self.hooks.get(op)
+        if pending:
+            pending.pop(0)()  # popped first: a hook that calls ``op`` itself does not recurse
+
+    def __getattr__(self, name: str) -> Any:  # anything the contract grows later
+        return getattr(self.inner, name)
+
+    def fingerprint_of(self, payload: bytes) -> bytes:
+        return self.inner.fingerprint_of(payload)
+
+    def now(self) -> float:
+        return self.inner.now()
+
+    def get(self, intent: str) -> IntentRecord | None:
+        self._fire("get")
+        return self.inner.get(intent)
+
+    def claim(self, intent: str, **kw: Any) -> ClaimResult:
+        self._fire("claim")
+        return self.inner.claim(intent, **kw)
+
+    def new_token(self) -> int:
+        return self.inner.new_token()
+
+    def complete(self, intent: str, token: int, cert: Any, until: float, **kw: Any) -> CommitResult:
+        self._fire("complete")
+        return self.inner.complete(intent, token, cert, until, **kw)
+
+    def fail(self, intent: str, token: int, reason: str) -> tuple[bool, IntentRecord | None]:
+        self._fire("fail")
+        return self.inner.fail(intent, token, reason)
+
+    def release(self, intent: str, token: int) -> tuple[bool, IntentRecord | None]:
+        self._fire("release")
+        return self.inner.release(intent, token)
+
+    def renew(
+        self, intent: str, token: int, lease_until: float
+    ) -> tuple[bool, IntentRecord | None]:
+        self._fire("renew")
+        return self.inner.renew(intent, token, lease_until)
+
+    def clear(self, intent: str) -> IntentRecord | None:
+        self._fire("clear")
+        return self.inner.clear(intent)
+
+    def current(self, domain: str) -> int:
+        return self.inner.current(domain)
+
+    def evict_domain(self, domain: str) -> int | None:
+        self._fire("evict_domain")
+        return self.inner.evict_domain(domain)
+
+    def in_flight(self, domain: str) -> int:
+        return self.inner.in_flight(domain)
+
+    def sweep(self, limit: int | None = None) -> int:
+        self._fire("sweep")
+        return self.inner.sweep(limit)
+
+    def size(self) -> dict[str, int]:
+        return self.inner.size()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class Tick:
+    """A shared monotonic counter for invoke/response timestamps (``next`` is one GIL step)."""
+
+    def __init__(self) -> None:
+        self._c = itertools.count()
+
+    def __call__(self) -> int:
+        return next(self._c)
+
+
+@contextlib.contextmanager
+def preemptive(interval: float = 1e-6) -> Iterator[None]:
+    """Make CPython switch threads every ``interval`` seconds, so races really interleave.
+
+    At the default 5 ms switch interval a thread almost never loses the GIL inside a
+    microsecond-long fence call, and "concurrent" threads would run nearly one after another.
+    """
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(interval)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(old)

@@ -8,8 +8,8 @@ Concurrency design
   so each contract operation is one atomic step, and distinct intents rarely contend.
 - Domain seqs live in the counter table (C11 atomics, or the pure twin): concurrent claims
   of different intents on one domain reserve without any lock between them.
-- In-flight counts per domain are two monotonic counters (claims, finishes) in counter
-  tables, so stripes never race on a Python ``+=``.
+- In-flight counts per domain live in one dict per stripe, changed only under that
+  stripe's lock, so stripes never race on a shared ``+=``; eviction sums them.
 - ``evict_domain`` is rare and stops the world: it takes every stripe (in order), so no
   claim, commit or read-set check can touch the domain while it goes. ``current`` is
   lock-free and uses a seqlock-style epoch to never return a value read across an eviction.
@@ -64,12 +64,14 @@ class MemoryStore(FenceStore):
         self._clock = clock
         self._seqs = counters if counters is not None else new_table()
         self.counters_backend = self._seqs.backend
-        # claims/finishes per domain; tokens share one counter ("" is never a valid domain)
-        self._claims = new_table(self._seqs.backend)
-        self._finishes = new_table(self._seqs.backend)
-        self._token_slot = self._claims.slot("")
+        # fencing tokens: one monotonic counter for the store ("" is never a valid domain)
+        self._tokens = new_table(self._seqs.backend)
+        self._token_slot = self._tokens.slot("")
         self._records: dict[str, IntentRecord] = {}
         self._locks = [threading.Lock() for _ in range(stripes)]
+        # attempts in flight per domain, one dict per stripe, each changed only under its
+        # stripe's lock; evict_domain (holding every stripe) sums them
+        self._inflight: list[dict[str, int]] = [{} for _ in range(stripes)]
         self._mask = stripes - 1
         self._heads: dict[str, Head] = {}
         self._heads_lock = threading.Lock()
@@ -87,11 +89,28 @@ class MemoryStore(FenceStore):
         """The payload itself: comparing it costs less than hashing it, and replays compare."""
         return payload
 
+    def _stripe(self, intent: str) -> int:
+        return hash(intent) & self._mask
+
     def _lock(self, intent: str) -> threading.Lock:
         return self._locks[hash(intent) & self._mask]
 
+    def _enter(self, stripe: int, domain: str) -> None:
+        """One more attempt in flight on ``domain`` (caller holds the stripe's lock)."""
+        counts = self._inflight[stripe]
+        counts[domain] = counts.get(domain, 0) + 1
+
+    def _leave(self, stripe: int, domain: str) -> None:
+        """One attempt fewer in flight on ``domain`` (caller holds the stripe's lock)."""
+        counts = self._inflight[stripe]
+        n = counts[domain] - 1
+        if n:
+            counts[domain] = n
+        else:
+            del counts[domain]
+
     def new_token(self) -> int:
-        return self._claims.reserve_slot(self._token_slot)
+        return self._tokens.reserve_slot(self._token_slot)
 
     def _schedule(self, deadline: float, intent: str, token: int) -> None:
         b = math.ceil(deadline / self._g)
@@ -133,7 +152,8 @@ class MemoryStore(FenceStore):
         read_set: Sequence[tuple[str, int]],
         expected_seq: int | None,
     ) -> ClaimResult:
-        with self._lock(intent):
+        stripe = self._stripe(intent)
+        with self._locks[stripe]:
             now = self._clock()
             cur = self._records.get(intent)
             # condition 1: the slot is free, or still holds the lapsed / expired record we saw
@@ -166,10 +186,10 @@ class MemoryStore(FenceStore):
                 intent, _IN_FLIGHT, token, fingerprint, domain, agent, lease_until
             )
             if not takeover:
-                self._claims.reserve(domain)
+                self._enter(stripe, domain)
             elif cur is not None and cur.domain != domain:  # unreachable: same payload
-                self._finishes.reserve(cur.domain)
-                self._claims.reserve(domain)
+                self._leave(stripe, cur.domain)
+                self._enter(stripe, domain)
             head = self._heads.get(domain, EMPTY_HEAD)
         self._schedule(lease_until, intent, token)
         return ClaimResult(True, seq, token, lease_until, head)
@@ -184,7 +204,8 @@ class MemoryStore(FenceStore):
         read_set: Sequence[tuple[str, int]],
         own_seq: int | None,
     ) -> CommitResult:
-        with self._lock(intent):
+        stripe = self._stripe(intent)
+        with self._locks[stripe]:
             cur = self._records.get(intent)
             if cur is None or cur.state is not _IN_FLIGHT or cur.token != token:
                 return CommitResult(False, current=cur)
@@ -204,12 +225,12 @@ class MemoryStore(FenceStore):
                     reason="read_set_stale",
                     since=self._clock(),
                 )
-                self._finishes.reserve(cur.domain)
+                self._leave(stripe, cur.domain)
                 return CommitResult(False, current=cur, stale=stale)
             self._records[intent] = IntentRecord(
                 intent, _DONE, token, cur.fingerprint, cur.domain, cur.agent, 0.0, cert, until
             )
-            self._finishes.reserve(cur.domain)
+            self._leave(stripe, cur.domain)
             with self._heads_lock:
                 old = self._heads.get(cur.domain, EMPTY_HEAD)
                 clock = dict(old.clock)
@@ -225,7 +246,8 @@ class MemoryStore(FenceStore):
         self, intent: str, token: int, new: IntentRecord | None
     ) -> tuple[bool, IntentRecord | None]:
         """Compare-by-token: replace an in-flight record of ``token`` with ``new``."""
-        with self._lock(intent):
+        stripe = self._stripe(intent)
+        with self._locks[stripe]:
             cur = self._records.get(intent)
             if cur is None or cur.state is not _IN_FLIGHT or cur.token != token:
                 return False, cur
@@ -234,7 +256,7 @@ class MemoryStore(FenceStore):
             else:
                 self._records[intent] = new
             if new is None or new.state is not _IN_FLIGHT:
-                self._finishes.reserve(cur.domain)
+                self._leave(stripe, cur.domain)
             return True, cur
 
     def fail(self, intent: str, token: int, reason: str) -> tuple[bool, IntentRecord | None]:
@@ -277,10 +299,11 @@ class MemoryStore(FenceStore):
         return ok, found
 
     def clear(self, intent: str) -> IntentRecord | None:
-        with self._lock(intent):
+        stripe = self._stripe(intent)
+        with self._locks[stripe]:
             cur = self._records.pop(intent, None)
             if cur is not None and cur.state is _IN_FLIGHT:
-                self._finishes.reserve(cur.domain)
+                self._leave(stripe, cur.domain)
             return cur
 
     def current(self, domain: str) -> int:
@@ -295,9 +318,7 @@ class MemoryStore(FenceStore):
                 return v
 
     def in_flight(self, domain: str) -> int:
-        claims = self._claims.load(domain) or 0
-        finishes = self._finishes.load(domain) or 0
-        return claims - finishes
+        return sum(counts.get(domain, 0) for counts in self._inflight)
 
     def evict_domain(self, domain: str) -> int | None:
         for lk in self._locks:
@@ -314,8 +335,6 @@ class MemoryStore(FenceStore):
             self._epoch += 1
             try:
                 value = self._seqs.evict(domain)
-                self._claims.evict(domain)
-                self._finishes.evict(domain)
                 with self._heads_lock:
                     self._heads.pop(domain, None)
             finally:
@@ -344,13 +363,14 @@ class MemoryStore(FenceStore):
                         heapq.heappush(self._due, b)
                     return reclaimed
                 visited += 1
-                with self._lock(intent):
+                stripe = self._stripe(intent)
+                with self._locks[stripe]:
                     cur = self._records.get(intent)
                     if cur is None or cur.token != token:
                         continue
                     row = observe(cur, now)
                     if row is Row.IN_FLIGHT_LAPSED:
-                        self._finishes.reserve(cur.domain)
+                        self._leave(stripe, cur.domain)
                     elif row is not Row.DONE_EXPIRED:
                         continue
                     del self._records[intent]

@@ -1,0 +1,1 @@
+"""Mutation proof: named mutants of the core, each killed by named tests."""
