@@ -249,14 +249,20 @@ def main(argv: list[str] | None = None) -> int:
                 }
             row = {"scenario": name, "threads": threads, **{t: per_table[t] for t in tables}}
             if "pure" in per_table and "atomic" in per_table:
-                row["ratio_atomic_pure"] = per_table["atomic"]["median"] / per_table["pure"]["median"]
+                row["ratio_atomic_pure"] = (
+                    per_table["atomic"]["median"] / per_table["pure"]["median"]
+                )
             rows.append(row)
             cells = "  ".join(
                 f"{t}: {v['median']:>9,.0f}/s ({v['min']:,.0f}-{v['max']:,.0f}) "
                 f"p50 {v['p50_us']:.1f}us p99 {v['p99_us']:.1f}us"
                 for t, v in per_table.items()
             )
-            ratio = f"  atomic/pure {row['ratio_atomic_pure']:.2f}x" if "ratio_atomic_pure" in row else ""
+            ratio = (
+                f"  atomic/pure {row['ratio_atomic_pure']:.2f}x"
+                if "ratio_atomic_pure" in row
+                else ""
+            )
             print(f"{name:<10} {threads:>2}T  {cells}{ratio}", flush=True)
     by = {(r["scenario"], r["threads"]): r for r in rows}
     summary: dict[str, Any] = {}
@@ -266,8 +272,10 @@ def main(argv: list[str] | None = None) -> int:
         if r:
             got = r[best]["median"]
             summary[name] = {"target": target, "median": got, "met": got >= target}
-            print(f"target {name} (1 thread, {best}): {got:,.0f}/s vs {target:,}/s -> "
-                  f"{'met' if got >= target else 'NOT met'}")
+            print(
+                f"target {name} (1 thread, {best}): {got:,.0f}/s vs {target:,}/s -> "
+                f"{'met' if got >= target else 'NOT met'}"
+            )
     if ("decorator", 1) in by and ("bare_call", 1) in by:
         d = by[("decorator", 1)][best]["p50_us"] - by[("bare_call", 1)][best]["p50_us"]
         summary["decorator_overhead_us_p50"] = d
