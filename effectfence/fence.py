@@ -162,6 +162,8 @@ class EffectFence:
         self._stats = new_table(backend if backend in ("atomic", "pure") else None)
         self._slot = {k: self._stats.slot(k) for k in (*PREPARE_BUCKETS, *EVENT_BUCKETS)}
         self._inc = self._stats.reserve_slot
+        self._slot_admitted = self._slot["admitted"]
+        self._slot_commits = self._slot["commits"]
         self._fp_depth = cfg.max_depth + 1  # args sit one level inside the fingerprinted object
         # args plus the two names (at most 4 UTF-8 bytes a character) and the keys around them
         self._fp_limit = cfg.max_args_bytes + 8 * MAX_NAME_LENGTH + 64
@@ -355,7 +357,7 @@ class EffectFence:
             fp,
             args_json,
         )
-        self._count("admitted")
+        self._inc(self._slot_admitted)
         if takeover:
             self._count("takeovers")
             self._wake(request.intent)
@@ -456,8 +458,9 @@ class EffectFence:
             ticket.intent, ticket.token, cert, until, read_set=others, own_seq=own_seq
         )
         if res.ok:
-            self._count("commits")
-            self._wake(ticket.intent)
+            self._inc(self._slot_commits)
+            if self._waiters:
+                self._wake(intent)
             return cert
         if res.stale is not None:
             d, want, got = res.stale

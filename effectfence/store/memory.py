@@ -152,7 +152,7 @@ class MemoryStore(FenceStore):
         read_set: Sequence[tuple[str, int]],
         expected_seq: int | None,
     ) -> ClaimResult:
-        stripe = self._stripe(intent)
+        stripe = hash(intent) & self._mask
         with self._locks[stripe]:
             now = self._clock()
             cur = self._records.get(intent)
@@ -180,13 +180,14 @@ class MemoryStore(FenceStore):
                 if got < 0:
                     return ClaimResult(False, race=-got - 1)
                 seq = got
-            token = self.new_token()
+            token = self._tokens.reserve_slot(self._token_slot)
             lease_until = now + lease_ttl
             self._records[intent] = IntentRecord(
                 intent, _IN_FLIGHT, token, fingerprint, domain, agent, lease_until
             )
-            if not takeover:
-                self._enter(stripe, domain)
+            if not takeover:  # one more attempt in flight on the domain (inline _enter)
+                counts = self._inflight[stripe]
+                counts[domain] = counts.get(domain, 0) + 1
             elif cur is not None and cur.domain != domain:  # unreachable: same payload
                 self._leave(stripe, cur.domain)
                 self._enter(stripe, domain)
@@ -204,7 +205,7 @@ class MemoryStore(FenceStore):
         read_set: Sequence[tuple[str, int]],
         own_seq: int | None,
     ) -> CommitResult:
-        stripe = self._stripe(intent)
+        stripe = hash(intent) & self._mask
         with self._locks[stripe]:
             cur = self._records.get(intent)
             if cur is None or cur.state is not _IN_FLIGHT or cur.token != token:
@@ -246,7 +247,7 @@ class MemoryStore(FenceStore):
         self, intent: str, token: int, new: IntentRecord | None
     ) -> tuple[bool, IntentRecord | None]:
         """Compare-by-token: replace an in-flight record of ``token`` with ``new``."""
-        stripe = self._stripe(intent)
+        stripe = hash(intent) & self._mask
         with self._locks[stripe]:
             cur = self._records.get(intent)
             if cur is None or cur.state is not _IN_FLIGHT or cur.token != token:
@@ -299,7 +300,7 @@ class MemoryStore(FenceStore):
         return ok, found
 
     def clear(self, intent: str) -> IntentRecord | None:
-        stripe = self._stripe(intent)
+        stripe = hash(intent) & self._mask
         with self._locks[stripe]:
             cur = self._records.pop(intent, None)
             if cur is not None and cur.state is _IN_FLIGHT:
@@ -363,7 +364,7 @@ class MemoryStore(FenceStore):
                         heapq.heappush(self._due, b)
                     return reclaimed
                 visited += 1
-                stripe = self._stripe(intent)
+                stripe = hash(intent) & self._mask
                 with self._locks[stripe]:
                     cur = self._records.get(intent)
                     if cur is None or cur.token != token:

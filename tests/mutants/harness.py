@@ -122,9 +122,12 @@ MUTANTS: tuple[Mutant, ...] = (
         "takeover-keeps-old-token",
         "G2",
         "effectfence/store/memory.py",
-        "            token = self.new_token()\n            lease_until = now + lease_ttl",
-        "            token = cur.token if takeover and cur is not None else self.new_token()\n"
-        "            lease_until = now + lease_ttl",
+        "            token = self._tokens.reserve_slot(self._token_slot)\n",
+        "            token = (\n"
+        "                cur.token\n"
+        "                if takeover and cur is not None\n"
+        "                else self._tokens.reserve_slot(self._token_slot)\n"
+        "            )\n",
         (
             *_both(
                 "tests/test_stateful.py::test_state_table_old_token_after_takeover[{store}-commit]"
