@@ -74,8 +74,21 @@ def _hash_body(body: dict[str, Any]) -> str:
     return hashlib.sha256(canonical_bytes(body)).hexdigest()
 
 
-name_json = string_bytes
 _FORMAT_JSON = string_bytes(CERT_FORMAT)
+# Agents, domains and tools repeat across certificates: remember their encodings (bounded).
+_NAMES: dict[str, bytes] = {}
+_NAMES_MAX = 4096
+
+
+def name_json(name: str) -> bytes:
+    """RFC 8785 form of a name, from a small cache when it was seen recently."""
+    out = _NAMES.get(name)
+    if out is None:
+        out = string_bytes(name)
+        if len(_NAMES) >= _NAMES_MAX:
+            _NAMES.clear()
+        _NAMES[name] = out
+    return out
 
 
 def clock_bytes(clock: dict[str, int]) -> bytes:
@@ -110,17 +123,17 @@ def spliced_hash(
     body = b"".join(
         (
             b'{"agent":',
-            name_json(agent),
+            _NAMES.get(agent) or name_json(agent),
             b',"args":',
             args_json,
             b',"domain":',
-            name_json(domain),
+            _NAMES.get(domain) or name_json(domain),
             b',"format":',
             _FORMAT_JSON,
             b',"intent":',
-            name_json(intent),
+            string_bytes(intent),  # unique per certificate: not worth caching
             b',"parent":',
-            b"null" if parent is None else name_json(parent),
+            b"null" if parent is None else string_bytes(parent),
             b',"read_set":',
             canonical_bytes([[d, s] for d, s in read_set]) if read_set else b"[]",
             b',"result":',
@@ -128,7 +141,7 @@ def spliced_hash(
             b',"seq":',
             str(seq).encode(),  # a safe integer (the fence caps seqs at 2**53-2)
             b',"tool":',
-            name_json(tool),
+            _NAMES.get(tool) or name_json(tool),
             b',"vector_clock":',
             clock_bytes(vector_clock),
             b"}",

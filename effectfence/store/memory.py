@@ -231,7 +231,12 @@ class MemoryStore(FenceStore):
             self._records[intent] = IntentRecord(
                 intent, _DONE, token, cur.fingerprint, cur.domain, cur.agent, 0.0, cert, until
             )
-            self._leave(stripe, cur.domain)
+            counts = self._inflight[stripe]  # inline _leave: one attempt fewer in flight
+            n = counts[cur.domain] - 1
+            if n:
+                counts[cur.domain] = n
+            else:
+                del counts[cur.domain]
             with self._heads_lock:
                 old = self._heads.get(cur.domain, EMPTY_HEAD)
                 clock = dict(old.clock)
