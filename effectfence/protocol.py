@@ -275,13 +275,28 @@ def judge_ticket(
     current = record is not None and record.token == token
     if TICKET_TABLE[row, current] is _ALLOW:
         return None
+    holder = None if record is None else record.agent
+    if current and row is _DONE_LIVE:
+        # The same ticket already committed (a retried commit whose answer was lost): still
+        # refused, as the table says, but with the recorded certificate so the caller can
+        # tell its own success from a lost lease.
+        return LeaseLost(
+            f"can't {op} {intent!r}: state={row.value}, this ticket (token {token}) already "
+            "committed; its certificate is in details.cert_hash",
+            intent=intent,
+            state=row.value,
+            token=token,
+            holder=holder,
+            committed_by_this_ticket=True,
+            cert_hash=getattr(record.cert if record is not None else None, "hash", None),
+        )
     held = "" if record is None else f"; current token {record.token}"
     return LeaseLost(
         f"can't {op} {intent!r}: state={row.value}, token {token} is not the current lease{held}",
         intent=intent,
         state=row.value,
         token=token,
-        holder=None if record is None else record.agent,
+        holder=holder,
     )
 
 

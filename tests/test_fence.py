@@ -130,8 +130,11 @@ def test_g2_lapsed_holder_may_finish_while_nobody_took_over(
 def test_g2_commit_after_commit_never_overwrites(fence: EffectFence) -> None:
     t = fresh(fence)
     cert = fence.commit(t, "first")
-    with pytest.raises(LeaseLost):
+    with pytest.raises(LeaseLost) as ei:
         fence.commit(t, "second")
+    # a retried commit can tell its own success apart from a lost lease
+    assert ei.value.details["committed_by_this_ticket"] is True
+    assert ei.value.details["cert_hash"] == cert.hash
     assert fence.prepare(req()).cert.hash == cert.hash
 
 

@@ -1,0 +1,656 @@
+"""The stdio MCP server: agents route side-effecting tool calls through the fence.
+
+Theory of operation
+-------------------
+The server is a thin driver around one :class:`~effectfence.EffectFence`. Each tool call is
+three steps, and only the middle one can change state:
+
+1. **Validate** the raw arguments against the tool's strict, closed pydantic input model
+   (:mod:`effectfence.mcp.models`). Anything malformed becomes an ``invalid_request``
+   refusal here, before the fence is touched.
+2. **Decide**: one fence operation. Tickets cross the wire sealed by a
+   :class:`~effectfence.tickets.TicketSigner` (HMAC over their canonical form); a forged,
+   edited or truncated ticket fails to open and is refused ``invalid_ticket`` before the
+   fence sees it. A genuine but superseded ticket is refused ``lease_lost`` by the fence.
+3. **Render**: a result with structured content (the output model) and a text rendering, or
+   for a refusal an ``isError`` result carrying the typed payload (code, message,
+   retryable, recover, details) both as structured content and as text.
+
+Why tools are built by hand rather than with ``@server.tool()``: the decorator derives a lax
+argument model from the function signature (unknown fields silently ignored, ``"5"``
+accepted for ``5``) and pre-parses JSON found inside strings, which would silently turn a
+committed string result ``"[1]"`` into a list. We register :class:`Tool` objects whose
+published schema is our model's schema and whose function receives the raw arguments.
+
+Fence operations on the memory store take microseconds and never block, so they run inline
+on the event loop (no thread hop). A durable store would run them in a worker thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import anyio
+import pydantic_core
+from mcp.server import MCPServer
+from mcp.server.mcpserver.tools import Tool
+from mcp.server.mcpserver.utilities.func_metadata import ArgModelBase, FuncMetadata
+from mcp_types import CallToolResult, TextContent, ToolAnnotations
+from pydantic import BaseModel, ValidationError
+
+from effectfence import __version__
+from effectfence.cert import EffectCert, verify_chain
+from effectfence.counters import backend_info
+from effectfence.errors import InvalidRequest, Refusal
+from effectfence.fence import DEFAULT_LEASE_TTL, DEFAULT_RESULT_TTL, EffectFence, FenceConfig
+from effectfence.mcp.models import (
+    AbortInput,
+    AbortOutput,
+    CertModel,
+    ClearInput,
+    ClearOutput,
+    CommitInput,
+    CommitOutput,
+    PrepareInput,
+    PrepareOutput,
+    ReadSetItem,
+    ReleaseInput,
+    ReleaseOutput,
+    RenewInput,
+    RenewOutput,
+    ServerInfo,
+    StatsInput,
+    StatsOutput,
+    StatusInput,
+    StatusOutput,
+    VerifyInput,
+    VerifyOutput,
+)
+from effectfence.model import EffectRequest, PreparedEffect
+from effectfence.tickets import TICKET_KEY_ENV, TicketSigner
+
+__all__ = ["ALLOW_CLEAR_ENV", "SERVER_NAME", "STORE_ENV", "build_server", "main"]
+
+SERVER_NAME = "effectfence"
+ALLOW_CLEAR_ENV = "EFFECTFENCE_ALLOW_CLEAR"
+STORE_ENV = "EFFECTFENCE_STORE"
+_MEMORY_STORES = ("memory", "memory:", "memory://")
+_MAX_REPORTED_ERRORS = 20
+
+_In = TypeVar("_In", bound=BaseModel)
+
+INSTRUCTIONS = """\
+effectfence makes side-effecting tool calls run exactly once across retries, duplicate
+dispatches and concurrent agents. Before any side effect (payment, email, provisioning,
+write) call fence_prepare with a stable `intent` id for that one logical action:
+- status "fresh" (run=true): run the real tool once, then fence_commit(prepared, result).
+  If it failed and MAY have fired: fence_abort(prepared, reason). If it certainly did not
+  fire: fence_release(prepared).
+- status "replay" (run=false): it already ran. Do NOT run it again; use `result`.
+- an error result: do NOT run the real tool; follow `recover` (intent_in_flight: wait
+  retry_after seconds, then prepare again).
+Never run the real tool unless fence_prepare answered "fresh" for this intent."""
+
+_PREPARE_DESC = """\
+Ask permission BEFORE running a side-effecting tool (payment, email, provisioning, any write
+whose duplicate would do harm). Exactly one caller per `intent` is told to run it.
+
+Answers:
+- status "fresh" (run=true): you hold the intent. Run the real tool NOW, once, with exactly
+  `args`. Then: it succeeded -> fence_commit(prepared, result). It failed and MAY have fired
+  (timeout, crash, ambiguous error) -> fence_abort(prepared, reason). It certainly did NOT
+  fire -> fence_release(prepared). A long effect calls fence_renew before lease_expires_in.
+- status "replay" (run=false): the effect ALREADY RAN. Do NOT run the real tool. Use
+  `result` (and `cert`) as its outcome.
+- error intent_in_flight: another attempt holds it. Do NOT run; wait details.retry_after
+  seconds, then call fence_prepare again with the same arguments.
+- error intent_failed: outcome unknown. Do NOT run; an operator must reconcile and clear.
+- error intent_conflict: this intent was used for a different tool/args/domain. Do NOT run.
+- error read_set_stale / domain_race: re-read, re-decide, then prepare again.
+- error invalid_request: fix the arguments.
+Never run the real tool unless this call answered "fresh"."""
+
+_COMMIT_DESC = """\
+Record the result right after the real tool SUCCEEDED, with the `prepared` ticket from
+fence_prepare and what the tool returned. The effect is recorded exactly once and every
+duplicate fence_prepare of the intent now replays this result. Returns the certificate.
+Errors: lease_lost -> your lease was taken over or the intent already finished: do NOT
+report success; check fence_status and reconcile. read_set_stale -> the effect ran but a
+domain you read moved meanwhile; the intent is now failed: reconcile. invalid_ticket -> pass
+the ticket exactly as fence_prepare returned it."""
+
+_ABORT_DESC = """\
+Give up on an effect whose outcome is UNKNOWN: the real tool failed in a way that MAY have
+fired (timeout, crash, ambiguous error). The intent becomes failed and every later
+fence_prepare of it is refused intent_failed until an operator reconciles what happened and
+clears it. Use fence_release instead only if the tool certainly did not fire."""
+
+_RELEASE_DESC = """\
+Free an intent whose effect certainly did NOT fire (the real tool refused before acting, or
+you decided not to run it). A later fence_prepare of the intent answers "fresh" again. If you
+are not sure whether it fired, use fence_abort instead: a wrong release lets it run twice."""
+
+_RENEW_DESC = """\
+Heartbeat for a long-running real tool: extend your lease (default: the server's lease TTL,
+or `ttl` seconds). Without it, once lease_expires_in passes another attempt may take the
+intent over and your ticket is then refused lease_lost. Refused lease_lost if that already
+happened or the intent finished."""
+
+_STATUS_DESC = """\
+Look at one intent without changing anything (never creates it): absent, in_flight (held,
+with retry_after), in_flight_lapsed (a prepare would take over), done (with its certificate
+and result) or failed (outcome unknown, with the reason). Safe to call any time."""
+
+_STATS_DESC = """\
+Read the fence's counters: every prepare attempt in exactly one bucket (admitted, replayed,
+each refusal code), event counts (commits, aborts, releases, takeovers, ...), the store and
+which counter table (C11 atomic or pure Python) runs. Read-only."""
+
+_VERIFY_DESC = """\
+Check certificates by recomputing their hashes: pass `cert` (one certificate, as a commit or
+replay returned it) or `chain` (certificates in order; each parent must be the previous hash).
+ok=false names what failed. Read-only; runs nothing."""
+
+_CLEAR_DESC = """\
+OPERATOR ONLY. Forget one intent whatever its state (in flight, done, failed), so a later
+fence_prepare answers "fresh" again. Use only after reconciling downstream what actually
+happened: clearing a done or failed intent lets its effect run again."""
+
+
+class _RawArguments(FuncMetadata):
+    """Pass the tool function the raw arguments; validation is ours (see module doc)."""
+
+    def validate_arguments(self, arguments_to_validate: dict[str, Any]) -> dict[str, Any]:
+        return {"arguments": arguments_to_validate}
+
+
+def _text(headline: str, data: dict[str, Any]) -> TextContent:
+    body = pydantic_core.to_json(data).decode()
+    return TextContent(type="text", text=f"{headline}\n{body}")
+
+
+def _ok(output: BaseModel, headline: str) -> CallToolResult:
+    data = output.model_dump(mode="json", exclude_unset=True)
+    return CallToolResult(content=[_text(headline, data)], structured_content=data)
+
+
+def _refused(refusal: Refusal) -> CallToolResult:
+    payload: dict[str, Any] = pydantic_core.to_jsonable_python(refusal.to_payload(), fallback=repr)
+    headline = (
+        f"REFUSED {payload['code']}: {payload['message']}\n"
+        f"retryable={str(payload['retryable']).lower()}; recover: {payload['recover']}"
+    )
+    return CallToolResult(
+        content=[_text(headline, payload)], structured_content=payload, is_error=True
+    )
+
+
+def _invalid_arguments(tool: str, exc: ValidationError) -> InvalidRequest:
+    """A clear message naming the fields, never echoing the values (they may be secrets)."""
+    errors: list[dict[str, str]] = []
+    for err in exc.errors(include_url=False, include_input=False):
+        where = ".".join(str(p) for p in err["loc"]) or "(arguments)"
+        kind = err["type"]
+        if kind == "extra_forbidden":
+            problem = "unknown field"
+        elif kind == "missing":
+            problem = "required field is missing"
+        else:
+            problem = err["msg"]
+        errors.append({"field": where, "problem": problem, "type": kind})
+    shown = "; ".join(f"{e['field']}: {e['problem']}" for e in errors[:5])
+    more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+    return InvalidRequest(
+        f"{tool}: invalid arguments: {shown}{more}",
+        errors=errors[:_MAX_REPORTED_ERRORS],
+    )
+
+
+def _tool(
+    name: str,
+    title: str,
+    description: str,
+    input_model: type[_In],
+    output_model: type[BaseModel],
+    annotations: ToolAnnotations,
+    op: Callable[[_In], CallToolResult],
+) -> Tool:
+    """Register ``op`` under ``name`` with the models' schemas; refusals become results."""
+
+    async def run(arguments: dict[str, Any]) -> CallToolResult:
+        try:
+            request = input_model.model_validate(arguments)
+        except ValidationError as exc:
+            return _refused(_invalid_arguments(name, exc))
+        try:
+            return op(request)
+        except Refusal as refusal:
+            return _refused(refusal)
+
+    run.__name__ = name
+    meta = _RawArguments(
+        arg_model=ArgModelBase,
+        output_schema=output_model.model_json_schema(mode="serialization"),
+    )
+    return Tool(
+        fn=run,
+        name=name,
+        title=title,
+        description=description,
+        parameters=input_model.model_json_schema(),
+        fn_metadata=meta,
+        is_async=True,
+        context_kwarg=None,
+        annotations=annotations,
+    )
+
+
+def _annotations(
+    title: str, *, read_only: bool = False, destructive: bool = False, idempotent: bool = False
+) -> ToolAnnotations:
+    # open_world is False for all: the fence only touches its own store, never the world.
+    return ToolAnnotations(
+        title=title,
+        read_only_hint=read_only,
+        destructive_hint=destructive,
+        idempotent_hint=idempotent,
+        open_world_hint=False,
+    )
+
+
+def _cert(cert: EffectCert) -> CertModel:
+    # Trusted: the fence minted it; the client validates against the schema anyway.
+    data = cert.to_dict()
+    data["read_set"] = [(d, s) for d, s in cert.read_set]
+    return CertModel.model_construct(**data)
+
+
+class _FenceTools:
+    """The tool operations, bound to one fence and one signer."""
+
+    def __init__(self, fence: EffectFence, signer: TicketSigner, clear_enabled: bool) -> None:
+        self.fence = fence
+        self.signer = signer
+        self.clear_enabled = clear_enabled
+        self.idle_sweeps = 0
+
+    def _lease_left(self, ticket: PreparedEffect) -> float:
+        return max(0.0, ticket.lease_until - self.fence.store.now())
+
+    def prepare(self, req: PrepareInput) -> CallToolResult:
+        read_set = [
+            (e.domain, e.seq) if isinstance(e, ReadSetItem) else e for e in req.read_set or ()
+        ]
+        admission = self.fence.prepare(
+            EffectRequest(
+                req.intent,
+                req.domain,
+                req.tool,
+                req.args,
+                req.agent,
+                read_set=read_set,
+                parent=req.parent,
+                known_clock=req.known_clock,
+                expected_seq=req.expected_seq,
+            )
+        )
+        if admission.fresh:
+            ticket = admission.ticket
+            out = PrepareOutput.model_construct(
+                status="fresh",
+                intent=ticket.intent,
+                prepared=self.signer.seal(ticket),
+                token=ticket.token,
+                seq=ticket.seq,
+                takeover=bool(getattr(admission, "takeover", False)),
+                lease_expires_in=self._lease_left(ticket),
+            )
+            return _ok(
+                out,
+                f"FRESH: you hold intent {ticket.intent!r}. Run {ticket.tool!r} now with exactly "
+                "these args, then fence_commit with `prepared` and its result (fence_abort if "
+                "it may have fired, fence_release if it certainly did not).",
+            )
+        cert = admission.cert
+        out = PrepareOutput.model_construct(
+            status="replay", intent=cert.intent, result=cert.result, cert=_cert(cert)
+        )
+        return _ok(
+            out,
+            f"REPLAY: {cert.tool!r} ALREADY RAN for intent {cert.intent!r}. Do NOT run it "
+            "again; its recorded outcome is `result`.",
+        )
+
+    def commit(self, req: CommitInput) -> CallToolResult:
+        ticket = self.signer.open(req.prepared)
+        cert = self.fence.commit(ticket, req.result)
+        out = CommitOutput.model_construct(status="committed", intent=cert.intent, cert=_cert(cert))
+        return _ok(
+            out,
+            f"COMMITTED: {cert.intent!r} is recorded exactly once; duplicates will replay it.",
+        )
+
+    def abort(self, req: AbortInput) -> CallToolResult:
+        ticket = self.signer.open(req.prepared)
+        self.fence.abort(ticket, req.reason)
+        out = AbortOutput(
+            status="aborted",
+            intent=ticket.intent,
+            reason=req.reason,
+            next="The intent is fenced (failed) until an operator reconciles and clears it.",
+        )
+        return _ok(out, f"ABORTED: {ticket.intent!r} is fenced; outcome unknown.")
+
+    def release(self, req: ReleaseInput) -> CallToolResult:
+        ticket = self.signer.open(req.prepared)
+        self.fence.release(ticket)
+        out = ReleaseOutput(
+            status="released",
+            intent=ticket.intent,
+            next="The intent is free: a later fence_prepare answers fresh.",
+        )
+        return _ok(out, f"RELEASED: {ticket.intent!r} is free for a retry.")
+
+    def renew(self, req: RenewInput) -> CallToolResult:
+        ticket = self.signer.open(req.prepared)
+        self.fence.renew(ticket, req.ttl)
+        out = RenewOutput(
+            status="renewed",
+            intent=ticket.intent,
+            lease_expires_in=self._lease_left(ticket),
+            prepared=self.signer.seal(ticket),
+        )
+        return _ok(out, f"RENEWED: lease on {ticket.intent!r} extended.")
+
+    def status(self, req: StatusInput) -> CallToolResult:
+        st = self.fence.intent_status(req.intent)
+        now = self.fence.store.now()
+        fields: dict[str, Any] = {
+            "token": st.token,
+            "holder": st.holder,
+            "domain": st.domain,
+            "retry_after": st.retry_after,
+            "reason": st.reason,
+        }
+        if st.lease_until is not None:
+            fields["lease_expires_in"] = max(0.0, st.lease_until - now)
+        if st.since is not None:
+            fields["failed_for"] = max(0.0, now - st.since)
+        if st.cert is not None:
+            fields["cert"] = _cert(st.cert)
+        fields = {k: v for k, v in fields.items() if v is not None}
+        out = StatusOutput.model_validate({"intent": st.intent, "state": st.state, **fields})
+        return _ok(out, f"STATUS: {st.intent!r} is {st.state}.")
+
+    def stats(self, req: StatsInput) -> CallToolResult:
+        s = self.fence.stats()
+        cfg = self.fence.config
+        events = {k: v for k, v in s.items() if k != "attempts" and type(v) is int}
+        out = StatsOutput(
+            attempts=s["attempts"],
+            prepare=s["prepare"],
+            events=events,
+            store=s["store"],
+            counters=s["counters"],
+            counters_info=backend_info(),
+            size=s["size"],
+            server=ServerInfo(
+                version=__version__,
+                lease_ttl=cfg.lease_ttl,
+                result_ttl=None if math.isinf(cfg.result_ttl) else cfg.result_ttl,
+                auto_sweep=cfg.auto_sweep,
+                clear_enabled=self.clear_enabled,
+                idle_sweeps=self.idle_sweeps,
+            ),
+        )
+        return _ok(out, f"STATS: {s['attempts']} prepare attempts.")
+
+    def verify(self, req: VerifyInput) -> CallToolResult:
+        if (req.cert is None) == (req.chain is None):
+            raise InvalidRequest("fence_verify: pass exactly one of `cert` or `chain`")
+        if req.cert is not None:
+            out = self._verify_one(req.cert)
+        else:
+            assert req.chain is not None
+            try:
+                certs = [EffectCert.from_dict(c.model_dump()) for c in req.chain]
+            except InvalidRequest as exc:
+                out = VerifyOutput(ok=False, kind="chain", length=len(req.chain), reason=str(exc))
+            else:
+                rep = verify_chain(certs)
+                out = VerifyOutput(
+                    ok=rep.ok,
+                    kind="chain",
+                    length=rep.length,
+                    broken_at=rep.broken_at,
+                    reason=rep.reason,
+                )
+        verdict = "OK" if out.ok else "BROKEN"
+        return _ok(out, f"VERIFY {out.kind}: {verdict}{': ' + out.reason if out.reason else ''}")
+
+    def _verify_one(self, model: CertModel) -> VerifyOutput:
+        try:
+            cert = EffectCert.from_dict(model.model_dump())
+        except InvalidRequest as exc:
+            return VerifyOutput(ok=False, kind="cert", length=1, reason=str(exc), recorded=False)
+        if not cert.verify():
+            reason = "the hash does not match the certificate's fields (tampered or corrupted)"
+            return VerifyOutput(ok=False, kind="cert", length=1, reason=reason, recorded=False)
+        try:
+            held = self.fence.intent_status(cert.intent).cert
+        except InvalidRequest:
+            held = None
+        recorded = held is not None and held.hash == cert.hash
+        return VerifyOutput(ok=True, kind="cert", length=1, reason="", recorded=recorded)
+
+    def clear(self, req: ClearInput) -> CallToolResult:
+        previous = self.fence.intent_status(req.intent).state
+        cleared = self.fence.clear_intent(req.intent)
+        out = ClearOutput(intent=req.intent, cleared=cleared, previous_state=previous)
+        verb = "CLEARED" if cleared else "NOTHING TO CLEAR"
+        return _ok(out, f"{verb}: {req.intent!r} (was {previous}).")
+
+    async def sweep_forever(self) -> None:
+        """Reclaim expired records while the server idles (prepare also sweeps on its way)."""
+        cfg = self.fence.config
+        while True:
+            await anyio.sleep(cfg.sweep_interval)
+            self.fence.sweep(cfg.sweep_batch)
+            self.idle_sweeps += 1
+
+
+def build_server(
+    fence: EffectFence | None = None,
+    *,
+    allow_clear: bool = False,
+    signer: TicketSigner | None = None,
+) -> MCPServer[None]:
+    """An MCP server exposing ``fence`` (a fresh in-memory fence by default).
+
+    ``fence_clear`` is registered only with ``allow_clear``. Tickets are sealed by
+    ``signer`` (default: key from ``EFFECTFENCE_TICKET_KEY``, else random per server).
+    """
+    fence = fence if fence is not None else EffectFence()
+    tools = _FenceTools(fence, signer if signer is not None else TicketSigner(), allow_clear)
+
+    @asynccontextmanager
+    async def lifespan(app: MCPServer[None]) -> AsyncIterator[None]:
+        async with anyio.create_task_group() as tg:
+            if fence.config.auto_sweep:
+                tg.start_soon(tools.sweep_forever)
+            try:
+                yield None
+            finally:
+                tg.cancel_scope.cancel()
+
+    registered = [
+        _tool(
+            "fence_prepare",
+            "Prepare a side effect",
+            _PREPARE_DESC,
+            PrepareInput,
+            PrepareOutput,
+            # not idempotent: a repeat after the lease lapsed takes the intent over
+            _annotations("Prepare a side effect"),
+            tools.prepare,
+        ),
+        _tool(
+            "fence_commit",
+            "Commit a side effect's result",
+            _COMMIT_DESC,
+            CommitInput,
+            CommitOutput,
+            # a repeated commit with the same ticket is refused and changes nothing
+            _annotations("Commit a side effect's result", idempotent=True),
+            tools.commit,
+        ),
+        _tool(
+            "fence_abort",
+            "Abort: outcome unknown",
+            _ABORT_DESC,
+            AbortInput,
+            AbortOutput,
+            # replaces the live lease with a fence that blocks every retry
+            _annotations("Abort: outcome unknown", destructive=True, idempotent=True),
+            tools.abort,
+        ),
+        _tool(
+            "fence_release",
+            "Release: it did not fire",
+            _RELEASE_DESC,
+            ReleaseInput,
+            ReleaseOutput,
+            # deletes the in-flight record
+            _annotations("Release: it did not fire", destructive=True, idempotent=True),
+            tools.release,
+        ),
+        _tool(
+            "fence_renew",
+            "Renew a lease",
+            _RENEW_DESC,
+            RenewInput,
+            RenewOutput,
+            _annotations("Renew a lease", idempotent=True),
+            tools.renew,
+        ),
+        _tool(
+            "fence_status",
+            "Intent status",
+            _STATUS_DESC,
+            StatusInput,
+            StatusOutput,
+            _annotations("Intent status", read_only=True, idempotent=True),
+            tools.status,
+        ),
+        _tool(
+            "fence_stats",
+            "Fence statistics",
+            _STATS_DESC,
+            StatsInput,
+            StatsOutput,
+            _annotations("Fence statistics", read_only=True, idempotent=True),
+            tools.stats,
+        ),
+        _tool(
+            "fence_verify",
+            "Verify certificates",
+            _VERIFY_DESC,
+            VerifyInput,
+            VerifyOutput,
+            _annotations("Verify certificates", read_only=True, idempotent=True),
+            tools.verify,
+        ),
+    ]
+    if allow_clear:
+        registered.append(
+            _tool(
+                "fence_clear",
+                "Clear an intent (operator)",
+                _CLEAR_DESC,
+                ClearInput,
+                ClearOutput,
+                _annotations("Clear an intent (operator)", destructive=True, idempotent=True),
+                tools.clear,
+            )
+        )
+    return MCPServer(
+        SERVER_NAME,
+        title="effectfence",
+        instructions=INSTRUCTIONS,
+        version=__version__,
+        tools=registered,
+        lifespan=lifespan,
+        log_level="WARNING",
+    )
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _store_label(url: str) -> str:
+    """Name a store URL without its credentials (a DSN may carry a password)."""
+    scheme, sep, _ = url.partition("://")
+    return f"{scheme}://..." if sep else url.split(":", 1)[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``effectfence serve``: run the fence as a stdio MCP server until stdin closes."""
+    parser = argparse.ArgumentParser(
+        prog="effectfence serve",
+        description="Run the effectfence MCP server over stdio (zero configuration: in memory).",
+    )
+    parser.add_argument(
+        "--store",
+        default=os.environ.get(STORE_ENV, "memory"),
+        metavar="URL",
+        help=f"where intents live (default: memory; env {STORE_ENV}). Only memory exists today.",
+    )
+    parser.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=DEFAULT_LEASE_TTL,
+        metavar="S",
+        help=f"seconds a prepared ticket holds its intent (default {DEFAULT_LEASE_TTL:g})",
+    )
+    parser.add_argument(
+        "--result-ttl",
+        type=float,
+        default=DEFAULT_RESULT_TTL,
+        metavar="S",
+        help=f"seconds a committed result is replayed (default {DEFAULT_RESULT_TTL:g})",
+    )
+    parser.add_argument(
+        "--allow-clear",
+        action="store_true",
+        default=_env_flag(ALLOW_CLEAR_ENV),
+        help=f"register the operator tool fence_clear (or set {ALLOW_CLEAR_ENV}=1)",
+    )
+    args = parser.parse_args(argv)
+    if args.store.strip().lower() not in _MEMORY_STORES:
+        parser.error(
+            f"unsupported store {_store_label(args.store)!r}: only the in-memory store exists "
+            "today (use --store memory, or leave it out)"
+        )
+    try:
+        config = FenceConfig(lease_ttl=args.lease_ttl, result_ttl=args.result_ttl)
+        signer = TicketSigner()
+    except ValueError as exc:
+        hint = f" (check {TICKET_KEY_ENV})" if "key" in str(exc) else ""
+        parser.error(f"{exc}{hint}")
+    server = build_server(EffectFence(config), allow_clear=args.allow_clear, signer=signer)
+    try:
+        server.run("stdio")
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

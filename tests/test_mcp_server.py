@@ -1,0 +1,626 @@
+"""The MCP server in memory (``mcp.Client(server)``): schemas, the protocol, tickets, refusals.
+
+Every refusal test also checks that nothing changed: the fence's records and event counters
+are snapshotted before the refused call and compared after it.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import pytest
+from mcp import Client
+from mcp_types import CallToolResult
+from support import FakeClock
+
+from effectfence import EffectFence, EffectRequest, FenceConfig
+from effectfence.mcp.server import build_server, main
+from effectfence.tickets import TicketSigner
+
+pytestmark = pytest.mark.anyio
+
+TOOLS = {
+    "fence_prepare",
+    "fence_commit",
+    "fence_abort",
+    "fence_release",
+    "fence_renew",
+    "fence_status",
+    "fence_stats",
+    "fence_verify",
+}
+PAYLOAD_KEYS = {"code", "message", "retryable", "recover", "details"}
+EVENTS = ("commits", "aborts", "releases", "renewals", "takeovers", "clears")
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@asynccontextmanager
+async def connect(server: Any) -> AsyncIterator[Client]:
+    async with Client(server) as client:
+        yield client
+
+
+def req(intent: str = "charge:1", **over: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "intent": intent,
+        "domain": "order:1",
+        "tool": "charge_card",
+        "args": {"cents": 500, "card": "tok_visa"},
+        "agent": "agent-a",
+    }
+    base.update(over)
+    return base
+
+
+def snapshot(fence: EffectFence, *intents: str) -> tuple[Any, ...]:
+    """Everything a refused call must leave as it was (statistics of prepare excepted)."""
+    stats = fence.stats()
+    states = []
+    for i in intents:
+        st = fence.intent_status(i)
+        states.append(
+            (st.state, st.token, st.holder, st.domain, st.cert and st.cert.hash, st.reason)
+        )
+    return (stats["size"], tuple(stats[e] for e in EVENTS), tuple(states))
+
+
+def refusal(result: CallToolResult, code: str) -> dict[str, Any]:
+    """Assert ``result`` is a typed refusal with ``code``, in structured content and text."""
+    assert result.is_error, result
+    payload = result.structured_content
+    assert payload is not None and set(payload) == PAYLOAD_KEYS, payload
+    assert payload["code"] == code, payload
+    text = result.content[0].text  # type: ignore[union-attr]
+    assert code in text.splitlines()[0]
+    assert json.loads(text.splitlines()[-1]) == payload
+    return payload
+
+
+def ok(result: CallToolResult) -> dict[str, Any]:
+    assert not result.is_error, result.content
+    data = result.structured_content
+    assert data is not None
+    text = result.content[0].text  # type: ignore[union-attr]
+    assert json.loads(text.splitlines()[-1]) == data
+    return data
+
+
+async def prepare(client: Client, **kw: Any) -> CallToolResult:
+    return await client.call_tool("fence_prepare", req(**kw))
+
+
+# -- tools/list ------------------------------------------------------------------------------
+
+
+async def test_list_tools_publishes_full_schemas_and_truthful_annotations() -> None:
+    async with connect(build_server()) as client:
+        tools = {t.name: t for t in (await client.list_tools()).tools}
+    assert set(tools) == TOOLS  # fence_clear only when the operator allows it
+    for tool in tools.values():
+        assert tool.description and len(tool.description) > 80
+        schema = tool.input_schema
+        assert schema["type"] == "object"
+        assert schema["additionalProperties"] is False, tool.name
+        for name, prop in schema["properties"].items():
+            assert prop.get("description"), (tool.name, name)
+        out = tool.output_schema
+        assert out is not None and out["type"] == "object", tool.name
+        for name, prop in out["properties"].items():
+            assert prop.get("description"), (tool.name, name)
+        ann = tool.annotations
+        assert ann is not None and ann.open_world_hint is False
+    prep = tools["fence_prepare"].input_schema
+    assert set(prep["required"]) == {"intent", "domain", "tool", "args", "agent"}
+    assert {"read_set", "parent", "known_clock", "expected_seq"} <= set(prep["properties"])
+    assert prep["properties"]["args"]["type"] == "object"
+    assert set(tools["fence_commit"].input_schema["required"]) == {"prepared", "result"}
+    assert "prepared" in tools["fence_abort"].input_schema["properties"]
+    assert "reason" in tools["fence_abort"].input_schema["properties"]
+    desc = tools["fence_prepare"].description or ""
+    assert "Do NOT run" in desc and "fresh" in desc and "replay" in desc
+    for name in ("fence_status", "fence_stats", "fence_verify"):
+        assert tools[name].annotations.read_only_hint is True  # type: ignore[union-attr]
+    for name in ("fence_prepare", "fence_commit", "fence_abort", "fence_release"):
+        assert tools[name].annotations.read_only_hint is False  # type: ignore[union-attr]
+    assert tools["fence_prepare"].annotations.idempotent_hint is False  # type: ignore[union-attr]
+    assert tools["fence_release"].annotations.destructive_hint is True  # type: ignore[union-attr]
+
+
+async def test_fence_clear_is_registered_only_when_allowed() -> None:
+    async with connect(build_server(allow_clear=True)) as client:
+        names = {t.name for t in (await client.list_tools()).tools}
+        assert names == TOOLS | {"fence_clear"}
+    async with connect(build_server()) as client:
+        result = await client.call_tool("fence_clear", {"intent": "x"})
+        assert result.is_error
+
+
+# -- the protocol ---------------------------------------------------------------------------
+
+
+async def test_prepare_commit_then_duplicates_replay_the_identical_cert() -> None:
+    fence = EffectFence()
+    async with connect(build_server(fence)) as client:
+        first = ok(await prepare(client))
+        assert first["status"] == "fresh" and first["intent"] == "charge:1"
+        assert first["token"] >= 1 and first["seq"] == 1 and first["takeover"] is False
+        assert 0 < first["lease_expires_in"] <= 30
+        assert "cert" not in first and "result" not in first
+        committed = ok(
+            await client.call_tool(
+                "fence_commit", {"prepared": first["prepared"], "result": "[1, 2]"}
+            )
+        )
+        cert = committed["cert"]
+        assert committed["status"] == "committed"
+        assert cert["result"] == "[1, 2]"  # a string result stays a string (no JSON pre-parse)
+        for agent in ("agent-b", "agent-c"):
+            dup = ok(await prepare(client, agent=agent))
+            assert dup["status"] == "replay" and dup["intent"] == "charge:1"
+            assert "prepared" not in dup
+            assert dup["cert"] == cert and dup["result"] == "[1, 2]"
+        verified = ok(await client.call_tool("fence_verify", {"cert": cert}))
+        assert verified == {"ok": True, "kind": "cert", "length": 1, "reason": "", "recorded": True}
+        status = ok(await client.call_tool("fence_status", {"intent": "charge:1"}))
+        assert status["state"] == "done" and status["cert"] == cert
+    stats = fence.stats()
+    assert stats["prepare"]["admitted"] == 1 and stats["prepare"]["replayed"] == 2
+    assert stats["commits"] == 1
+
+
+async def test_sixteen_concurrent_duplicates_over_one_connection_admit_exactly_one() -> None:
+    fence = EffectFence()
+    results: list[CallToolResult] = []
+    async with connect(build_server(fence)) as client:
+
+        async def call(i: int) -> None:
+            results.append(await prepare(client, agent=f"agent-{i}"))
+
+        async with anyio.create_task_group() as tg:
+            for i in range(16):
+                tg.start_soon(call, i)
+        fresh = [r for r in results if not r.is_error]
+        assert len(results) == 16 and len(fresh) == 1
+        for r in results:
+            if r.is_error:
+                refusal(r, "intent_in_flight")
+        ticket = ok(fresh[0])["prepared"]
+        cert = ok(await client.call_tool("fence_commit", {"prepared": ticket, "result": 1}))
+        replays: list[dict[str, Any]] = []
+
+        async def dup(i: int) -> None:
+            replays.append(ok(await prepare(client, agent=f"late-{i}")))
+
+        async with anyio.create_task_group() as tg:
+            for i in range(16):
+                tg.start_soon(dup, i)
+        assert {r["status"] for r in replays} == {"replay"}
+        assert {r["cert"]["hash"] for r in replays} == {cert["cert"]["hash"]}
+    assert fence.stats()["prepare"]["admitted"] == 1
+
+
+async def test_sixteen_concurrent_duplicates_over_several_connections_admit_exactly_one() -> None:
+    fence = EffectFence()
+    server = build_server(fence)
+    results: list[CallToolResult] = []
+
+    async def connection(c: int) -> None:
+        async with connect(server) as client:
+
+            async def call(i: int) -> None:
+                results.append(await prepare(client, agent=f"agent-{c}-{i}"))
+
+            async with anyio.create_task_group() as tg:
+                for i in range(4):
+                    tg.start_soon(call, i)
+
+    async with anyio.create_task_group() as tg:
+        for c in range(4):
+            tg.start_soon(connection, c)
+    assert len(results) == 16
+    assert sum(not r.is_error for r in results) == 1
+    assert fence.stats()["prepare"]["admitted"] == 1
+
+
+async def test_abort_fences_the_intent_until_an_operator_clears_it() -> None:
+    fence = EffectFence()
+    async with connect(build_server(fence, allow_clear=True)) as client:
+        ticket = ok(await prepare(client))["prepared"]
+        aborted = ok(
+            await client.call_tool("fence_abort", {"prepared": ticket, "reason": "gateway timeout"})
+        )
+        assert aborted["status"] == "aborted" and aborted["reason"] == "gateway timeout"
+        before = snapshot(fence, "charge:1")
+        payload = refusal(await prepare(client, agent="agent-b"), "intent_failed")
+        assert payload["details"]["reason"] == "gateway timeout"
+        assert payload["retryable"] is False
+        assert snapshot(fence, "charge:1") == before
+        status = ok(await client.call_tool("fence_status", {"intent": "charge:1"}))
+        assert status["state"] == "failed" and status["reason"] == "gateway timeout"
+        assert status["failed_for"] >= 0
+        # the ticket is spent: a second abort or a commit is refused and changes nothing
+        refusal(
+            await client.call_tool("fence_commit", {"prepared": ticket, "result": 1}), "lease_lost"
+        )
+        assert snapshot(fence, "charge:1") == before
+        cleared = ok(await client.call_tool("fence_clear", {"intent": "charge:1"}))
+        assert cleared == {"intent": "charge:1", "cleared": True, "previous_state": "failed"}
+        assert ok(await prepare(client))["status"] == "fresh"
+
+
+async def test_release_frees_the_intent_for_a_retry() -> None:
+    async with connect(build_server()) as client:
+        first = ok(await prepare(client))
+        released = ok(await client.call_tool("fence_release", {"prepared": first["prepared"]}))
+        assert released["status"] == "released"
+        status = ok(await client.call_tool("fence_status", {"intent": "charge:1"}))
+        assert status == {"intent": "charge:1", "state": "absent"}
+        again = ok(await prepare(client, agent="agent-b"))
+        assert again["status"] == "fresh" and again["token"] > first["token"]
+        # the released ticket cannot finish the new attempt
+        refusal(
+            await client.call_tool("fence_commit", {"prepared": first["prepared"], "result": 1}),
+            "lease_lost",
+        )
+
+
+async def test_renew_extends_the_lease_and_returns_a_fresh_ticket() -> None:
+    clock = FakeClock()
+    fence = EffectFence(FenceConfig(lease_ttl=10.0, clock=clock, auto_sweep=False))
+    server = build_server(fence)
+    async with connect(server) as client:
+        ticket = ok(await prepare(client))["prepared"]
+        clock.advance(8)
+        renewed = ok(await client.call_tool("fence_renew", {"prepared": ticket, "ttl": 60}))
+        assert renewed["lease_expires_in"] == pytest.approx(60)
+        clock.advance(30)  # past the original lease, inside the renewed one
+        refusal(await prepare(client, agent="agent-b"), "intent_in_flight")
+        done = await client.call_tool(
+            "fence_commit", {"prepared": renewed["prepared"], "result": 7}
+        )
+        assert ok(done)["cert"]["result"] == 7
+        for ttl in (float("nan"), float("inf"), 0, True):  # called directly: exact values
+            bad = await server.call_tool("fence_renew", {"prepared": ticket, "ttl": ttl})
+            refusal(bad, "invalid_request")  # type: ignore[arg-type]
+
+
+async def test_conflicts_races_and_stale_reads_are_refused_without_a_trace() -> None:
+    fence = EffectFence()
+    async with connect(build_server(fence)) as client:
+        t = ok(await prepare(client, intent="a", domain="acct"))["prepared"]
+        ok(await client.call_tool("fence_commit", {"prepared": t, "result": None}))
+        before = snapshot(fence, "a", "b", "c")
+        refusal(
+            await prepare(client, intent="a", domain="acct", args={"cents": 1}), "intent_conflict"
+        )
+        payload = refusal(
+            await prepare(client, intent="b", domain="acct", expected_seq=0), "domain_race"
+        )
+        assert payload["retryable"] is True
+        refusal(
+            await prepare(client, intent="c", domain="other", read_set=[["acct", 0]]),
+            "read_set_stale",
+        )
+        refusal(
+            await prepare(
+                client, intent="c", domain="other", read_set=[{"domain": "acct", "seq": 0}]
+            ),
+            "read_set_stale",
+        )
+        assert snapshot(fence, "a", "b", "c") == before
+        # and the happy paths of the same options
+        fresh = ok(
+            await prepare(
+                client,
+                intent="b",
+                domain="acct",
+                expected_seq=1,
+                read_set=[{"domain": "acct", "seq": 1}],
+                known_clock={"agent-z": 3},
+            )
+        )
+        cert = ok(
+            await client.call_tool("fence_commit", {"prepared": fresh["prepared"], "result": 2})
+        )
+        assert cert["cert"]["vector_clock"]["agent-z"] == 3
+        assert cert["cert"]["read_set"] == [["acct", 1]]
+
+
+# -- tickets ------------------------------------------------------------------------------------
+
+
+def _edit_body(ticket: str, **changes: Any) -> str:
+    body, mac = ticket.rsplit(".", 1)
+    data = json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
+    data.update(changes)
+    raw = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=") + "." + mac
+
+
+async def test_forged_edited_and_truncated_tickets_are_refused_and_change_nothing() -> None:
+    fence = EffectFence()
+    async with connect(build_server(fence)) as client:
+        ticket = ok(await prepare(client))["prepared"]
+        # a well-formed ticket for the same intent, sealed by another server's key
+        elsewhere = EffectFence().prepare(EffectRequest(**req(agent="x")))
+        forged_ticket = TicketSigner(b"k" * 32).seal(elsewhere.ticket)
+        body, mac = ticket.rsplit(".", 1)
+        flipped = mac[:-1] + ("0" if mac[-1] != "0" else "1")
+        cases = {
+            "forged under another key": forged_ticket,
+            "edited token, old mac": _edit_body(ticket, token=99),
+            "edited args, old mac": _edit_body(ticket, args={"cents": 1}),
+            "edited mac": f"{body}.{flipped}",
+            "truncated": ticket[: len(ticket) // 2],
+            "mac cut off": body,
+            "empty": "",
+            "garbage": "not a ticket at all",
+        }
+        before = snapshot(fence, "charge:1")
+        for name, bad in cases.items():
+            for tool, extra in (
+                ("fence_commit", {"result": 1}),
+                ("fence_abort", {"reason": "x"}),
+                ("fence_release", {}),
+                ("fence_renew", {}),
+            ):
+                res = await client.call_tool(tool, {"prepared": bad, **extra})
+                assert refusal(res, "invalid_ticket"), (name, tool)
+                assert snapshot(fence, "charge:1") == before, (name, tool)
+        # the genuine ticket still works
+        ok(await client.call_tool("fence_commit", {"prepared": ticket, "result": 1}))
+
+
+async def test_a_ticket_replayed_after_a_takeover_is_refused_lease_lost() -> None:
+    clock = FakeClock()
+    fence = EffectFence(FenceConfig(lease_ttl=5.0, clock=clock, auto_sweep=False))
+    async with connect(build_server(fence)) as client:
+        old = ok(await prepare(client, agent="slow"))
+        clock.advance(6)  # the lease lapses
+        lapsed = ok(await client.call_tool("fence_status", {"intent": "charge:1"}))
+        assert lapsed["state"] == "in_flight_lapsed"
+        new = ok(await prepare(client, agent="fast"))
+        assert new["status"] == "fresh" and new["takeover"] is True
+        assert new["token"] > old["token"]
+        before = snapshot(fence, "charge:1")
+        for tool, extra in (
+            ("fence_commit", {"result": "stale"}),
+            ("fence_abort", {"reason": "stale"}),
+            ("fence_release", {}),
+            ("fence_renew", {}),
+        ):
+            payload = refusal(
+                await client.call_tool(tool, {"prepared": old["prepared"], **extra}), "lease_lost"
+            )
+            assert payload["details"]["holder"] == "fast"
+            assert snapshot(fence, "charge:1") == before
+        cert = ok(
+            await client.call_tool("fence_commit", {"prepared": new["prepared"], "result": 1})
+        )
+        assert cert["cert"]["agent"] == "fast"
+        # and after the commit, the winner's own ticket is spent too
+        refusal(
+            await client.call_tool("fence_commit", {"prepared": new["prepared"], "result": 2}),
+            "lease_lost",
+        )
+
+
+async def test_servers_sharing_a_ticket_key_accept_each_others_tickets() -> None:
+    key = b"shared-secret-key-0123456789"
+    a = build_server(EffectFence(), signer=TicketSigner(key))
+    b = build_server(EffectFence(), signer=TicketSigner(key))
+    c = build_server(EffectFence())
+    async with connect(a) as ca, connect(b) as cb, connect(c) as cc:
+        ticket = ok(await prepare(ca))["prepared"]
+        # same key: authenticated, judged by b's own (empty) store
+        refusal(await cb.call_tool("fence_commit", {"prepared": ticket, "result": 1}), "lease_lost")
+        refusal(
+            await cc.call_tool("fence_commit", {"prepared": ticket, "result": 1}), "invalid_ticket"
+        )
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+def _nested(depth: int) -> Any:
+    value: Any = 0
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+BAD_PREPARES: dict[str, dict[str, Any]] = {
+    "missing intent": {k: v for k, v in req().items() if k != "intent"},
+    "missing args": {k: v for k, v in req().items() if k != "args"},
+    "intent not a string": req(intent=7),
+    "empty intent": req(intent=""),
+    "huge intent": req(intent="i" * 10_000),
+    "args not an object": req(args=[1, 2]),
+    "args a JSON string": req(args='{"cents": 500}'),
+    "unknown field": {**req(), "priority": "high"},
+    "nested under a name": {"request": req()},
+    "bool for int": req(expected_seq=True),
+    "string for int": req(expected_seq="3"),
+    "negative seq": req(expected_seq=-1),
+    "seq too large": req(expected_seq=2**64),
+    "float seq": req(expected_seq=1.5),
+    "NaN in args": req(args={"x": float("nan")}),
+    "infinity in args": req(args={"x": float("inf")}),
+    "huge int in args": req(args={"x": 2**80}),
+    "non-string key in args": req(args={1: "x"}),
+    "deep nesting": req(args={"x": _nested(200)}),
+    "oversized args": req(args={"x": "y" * (2 << 20)}),
+    "bad read_set entry": req(read_set=[["d"]]),
+    "read_set seq string": req(read_set=[["d", "1"]]),
+    "read_set unknown key": req(read_set=[{"domain": "d", "seq": 1, "x": 1}]),
+    "known_clock non-int": req(known_clock={"a": "1"}),
+    "known_clock negative": req(known_clock={"a": -1}),
+    "empty parent": req(parent=""),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_PREPARES))
+async def test_malformed_prepare_arguments_get_a_clear_error_and_change_nothing(case: str) -> None:
+    # Called on the server directly, so values JSON cannot carry (NaN, a non-string key)
+    # arrive exactly; the in-memory client would normalize them (NaN -> null) on the way.
+    fence = EffectFence()
+    server = build_server(fence)
+    before = snapshot(fence, "charge:1")
+    result = await server.call_tool("fence_prepare", BAD_PREPARES[case])
+    assert isinstance(result, CallToolResult)
+    payload = refusal(result, "invalid_request")
+    assert payload["message"] and payload["recover"]
+    assert snapshot(fence, "charge:1") == before
+    assert fence.stats()["prepare"]["admitted"] == 0
+    if "errors" in payload["details"]:  # pydantic-level: names fields, never echoes values
+        assert all({"field", "problem", "type"} == set(e) for e in payload["details"]["errors"])
+        assert "tok_visa" not in payload["message"]
+
+
+async def test_malformed_commit_arguments_leave_the_ticket_usable() -> None:
+    fence = EffectFence()
+    server = build_server(fence)
+    async with connect(server) as client:
+        ticket = ok(await prepare(client))["prepared"]
+        before = snapshot(fence, "charge:1")
+        bad_commits: list[dict[str, Any]] = [
+            {"prepared": ticket},  # missing result
+            {"result": 1},  # missing ticket
+            {"prepared": ticket, "result": 1, "extra": True},
+            {"prepared": 5, "result": 1},
+            {"prepared": ticket, "result": float("nan")},
+            {"prepared": ticket, "result": {"x": float("-inf")}},
+            {"prepared": ticket, "result": _nested(200)},
+            {"prepared": ticket, "result": "z" * (2 << 20)},
+            {"prepared": ticket, "result": {1: "non-string key"}},
+        ]
+        for args in bad_commits:
+            result = await server.call_tool("fence_commit", args)
+            refusal(result, "invalid_request")  # type: ignore[arg-type]
+            assert snapshot(fence, "charge:1") == before, args
+        for tool, args in (
+            ("fence_abort", {"prepared": ticket, "reason": ""}),
+            ("fence_abort", {"prepared": ticket, "reason": 3}),
+            ("fence_renew", {"prepared": ticket, "ttl": -1}),
+            ("fence_renew", {"prepared": ticket, "ttl": "10"}),
+            ("fence_status", {}),
+            ("fence_status", {"intent": ""}),
+            ("fence_stats", {"verbose": True}),
+            ("fence_verify", {}),
+            ("fence_verify", {"cert": {"hash": "x"}}),
+        ):
+            refusal(await client.call_tool(tool, args), "invalid_request")
+            assert snapshot(fence, "charge:1") == before, (tool, args)
+        ok(await client.call_tool("fence_commit", {"prepared": ticket, "result": {"ok": True}}))
+
+
+# -- queries ------------------------------------------------------------------------------------
+
+
+async def test_status_never_creates_state() -> None:
+    fence = EffectFence()
+    async with connect(build_server(fence)) as client:
+        for i in range(50):
+            st = ok(await client.call_tool("fence_status", {"intent": f"nobody:{i}"}))
+            assert st == {"intent": f"nobody:{i}", "state": "absent"}
+    assert fence.stats()["size"]["records"] == 0
+    assert fence.stats()["attempts"] == 0
+
+
+async def test_stats_report_buckets_backend_and_config() -> None:
+    fence = EffectFence()
+    async with connect(build_server(fence)) as client:
+        ok(await prepare(client))
+        refusal(await prepare(client, agent="b"), "intent_in_flight")
+        stats = ok(await client.call_tool("fence_stats", {}))
+    assert stats["attempts"] == 2
+    assert stats["prepare"]["admitted"] == 1 and stats["prepare"]["intent_in_flight"] == 1
+    assert stats["counters"] in ("atomic", "pure")
+    assert stats["counters_info"]["backend"] == stats["counters"]
+    assert stats["server"]["clear_enabled"] is False
+    assert stats["events"]["commits"] == 0
+    assert stats["size"]["records"] == 1
+
+
+async def test_verify_detects_tampering_and_broken_chains() -> None:
+    async with connect(build_server()) as client:
+        certs = []
+        for i in range(3):
+            t = ok(await prepare(client, intent=f"step:{i}"))["prepared"]
+            done = ok(await client.call_tool("fence_commit", {"prepared": t, "result": i}))
+            certs.append(done["cert"])
+        assert certs[1]["parent"] == certs[0]["hash"]
+        chain = ok(await client.call_tool("fence_verify", {"chain": certs}))
+        assert chain["ok"] is True and chain["length"] == 3
+        tampered = {**certs[1], "result": 999}
+        one = ok(await client.call_tool("fence_verify", {"cert": tampered}))
+        assert one["ok"] is False and one["recorded"] is False
+        broken = ok(
+            await client.call_tool("fence_verify", {"chain": [certs[0], tampered, certs[2]]})
+        )
+        assert broken["ok"] is False and broken["broken_at"] == 1
+        skipped = ok(await client.call_tool("fence_verify", {"chain": [certs[0], certs[2]]}))
+        assert skipped["ok"] is False and skipped["broken_at"] == 1
+        both = await client.call_tool("fence_verify", {"cert": certs[0], "chain": certs})
+        refusal(both, "invalid_request")
+
+
+async def test_an_idle_server_sweeps_expired_records() -> None:
+    # Leases and results are judged by the fence's (fake) clock; only the sweeper's own
+    # pace is real time. With real-time TTLs a slow moment between prepare and commit
+    # would let the sweeper reclaim the lease first.
+    clock = FakeClock()
+    fence = EffectFence(
+        FenceConfig(result_ttl=10.0, lease_ttl=10.0, sweep_interval=0.05, clock=clock)
+    )
+    async with connect(build_server(fence)) as client:
+        t = ok(await prepare(client, intent="done"))["prepared"]
+        ok(await client.call_tool("fence_commit", {"prepared": t, "result": 1}))
+        ok(await prepare(client, intent="abandoned"))
+        assert fence.stats()["size"]["records"] == 2
+        clock.advance(20.0)  # both the result and the abandoned lease are now expired
+        with anyio.fail_after(5):
+            while fence.stats()["size"]["records"]:
+                await anyio.sleep(0.05)
+        stats = ok(await client.call_tool("fence_stats", {}))
+        assert stats["server"]["idle_sweeps"] >= 1
+        assert stats["events"]["reclaimed"] == 2
+
+
+# -- the command line ---------------------------------------------------------------------------
+
+
+def test_serve_refuses_unknown_stores_without_echoing_credentials(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--store", "postgres://admin:hunter2@db/fence"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "only the in-memory store" in err and "hunter2" not in err
+
+
+@pytest.mark.parametrize("argv", [["--lease-ttl", "0"], ["--result-ttl", "-5"], ["--bogus"]])
+def test_serve_refuses_bad_options(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+
+
+def test_serve_refuses_a_short_ticket_key(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("EFFECTFENCE_TICKET_KEY", "short")
+    with pytest.raises(SystemExit) as exc:
+        main([])
+    assert exc.value.code == 2
+    assert "EFFECTFENCE_TICKET_KEY" in capsys.readouterr().err
