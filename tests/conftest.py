@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from hypothesis import settings
 from support import STORES, FakeClock, FenceFactory
 
 from effectfence import EffectFence, FenceConfig
+
+# CI runs are reproducible (a failure there replays the same examples here); local runs
+# explore, and keep what they find in .hypothesis/.
+settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 
 @pytest.fixture(params=sorted(STORES))
