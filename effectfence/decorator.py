@@ -106,14 +106,10 @@ def fenced(
     def decorate(fn: Callable[P, R]) -> Callable[P, R]:
         sig = inspect.signature(fn)
         tool_name = tool or f"{fn.__module__}.{fn.__qualname__}"
+        bind = _binder(sig, tool_name)
 
         def build(a: tuple[Any, ...], kw: dict[str, Any]) -> EffectRequest:
-            try:
-                b = sig.bind(*a, **kw)
-            except TypeError as exc:
-                raise InvalidRequest(f"{tool_name}: {exc}") from exc
-            b.apply_defaults()
-            bound = b.arguments
+            bound = bind(a, kw)
             payload = dict(args(**bound)) if args is not None else dict(bound)
             return EffectRequest(
                 render_intent(bound),
@@ -210,6 +206,54 @@ def fenced(
         return cast(Callable[P, R], wrapper)
 
     return decorate
+
+
+def _binder(
+    sig: inspect.Signature, tool_name: str
+) -> Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any]]:
+    """Arguments -> {name: value} with defaults applied.
+
+    ``Signature.bind`` costs more than the rest of a fenced call's bookkeeping, so plain
+    signatures (named parameters, no ``*args``/``**kwargs``/positional-only) get a direct
+    binder; anything else falls back to ``inspect``. Errors are the caller's: typed.
+    """
+    params = list(sig.parameters.values())
+    kinds = {p.kind for p in params}
+    if not kinds <= {inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY}:
+
+        def slow(a: tuple[Any, ...], kw: dict[str, Any]) -> dict[str, Any]:
+            try:
+                b = sig.bind(*a, **kw)
+            except TypeError as exc:
+                raise InvalidRequest(f"{tool_name}: {exc}") from exc
+            b.apply_defaults()
+            return dict(b.arguments)
+
+        return slow
+
+    positional = [p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    names = frozenset(p.name for p in params)
+    defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+    required = [p.name for p in params if p.default is inspect.Parameter.empty]
+    npos = len(positional)
+
+    def fast(a: tuple[Any, ...], kw: dict[str, Any]) -> dict[str, Any]:
+        if len(a) > npos:
+            raise InvalidRequest(f"{tool_name}: takes {npos} positional arguments, got {len(a)}")
+        bound = dict(zip(positional, a, strict=False))
+        for k, v in kw.items():
+            if k in bound or k not in names:
+                raise InvalidRequest(f"{tool_name}: unexpected or repeated argument {k!r}")
+            bound[k] = v
+        if len(bound) != len(names):
+            for k in required:
+                if k not in bound:
+                    raise InvalidRequest(f"{tool_name}: missing argument {k!r}")
+            for k, v in defaults.items():
+                bound.setdefault(k, v)
+        return bound
+
+    return fast
 
 
 class _Renewer:

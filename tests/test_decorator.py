@@ -215,3 +215,22 @@ def test_async_functions_are_fenced(fence: EffectFence) -> None:
     with pytest.raises(RuntimeError):
         asyncio.run(boom())
     assert fence.intent_status("b").state == "failed"
+
+
+def test_argument_binding_matches_python(fence: EffectFence) -> None:
+    @fenced(fence, intent="b:{a}:{b}:{c}", domain="d")
+    def f(a: int, b: int = 2, *, c: int = 3) -> list[int]:
+        return [a, b, c]
+
+    assert f(1) == [1, 2, 3]
+    assert f(1, 5, c=7) == [1, 5, 7]
+    assert f(b=9, a=4) == [4, 9, 3]
+    for bad_args, bad_kw in (((), {}), ((1, 2, 3), {}), ((1,), {"a": 1}), ((1,), {"z": 0})):
+        with pytest.raises(InvalidRequest):
+            f(*bad_args, **bad_kw)
+
+    @fenced(fence, intent="v:{args}", domain="d")
+    def g(*args: int) -> int:  # not a plain signature: bound by inspect
+        return sum(args)
+
+    assert g(1, 2) == 3
