@@ -36,7 +36,6 @@ from effectfence.errors import (
     Refusal,
 )
 from effectfence.model import (
-    MAX_NAME_LENGTH,
     Admission,
     EffectRequest,
     Fresh,
@@ -164,9 +163,6 @@ class EffectFence:
         self._inc = self._stats.reserve_slot
         self._slot_admitted = self._slot["admitted"]
         self._slot_commits = self._slot["commits"]
-        self._fp_depth = cfg.max_depth + 1  # args sit one level inside the fingerprinted object
-        # args plus the two names (at most 4 UTF-8 bytes a character) and the keys around them
-        self._fp_limit = cfg.max_args_bytes + 8 * MAX_NAME_LENGTH + 64
         self._auto = cfg.auto_sweep
         self._waiters: dict[str, threading.Event] = {}
         self._next_sweep = -math.inf
@@ -325,6 +321,7 @@ class EffectFence:
     ) -> Fresh:
         if seq > MAX_SAFE_INTEGER:  # unreachable in practice (2**53 reservations); fail closed
             self.store.release(request.intent, token)
+            self._count("invalid_request")
             raise InvalidRequest(
                 f"domain {request.domain!r} has used up its JSON-safe seq range; "
                 "a certificate could not record this seq",
