@@ -514,6 +514,33 @@ def canonical_bytes(value: object, *, max_depth: int = 64, max_bytes: int | None
     return data
 
 
+def fast_bytes(value: object, max_depth: int) -> bytes | None:
+    """The common-shape encoding alone (no exact fallback): bytes, or None for "take the
+    full path". For hot callers that then fall back to :func:`canonical_bytes`."""
+    if _orjson is not None and _fast_ok(value, max_depth):
+        try:
+            out: bytes = _orjson.dumps(value, option=_OJ_SORT)
+            return out
+        except (TypeError, RecursionError):
+            return None
+    return None
+
+
+_STRINGS: dict[str, bytes] = {}
+
+
+def name_bytes(name: str) -> bytes:
+    """:func:`string_bytes` for names that repeat (domains, tools, agents): remembered in a
+    small bounded table, since the same few names are encoded on every request."""
+    out = _STRINGS.get(name)
+    if out is None:
+        out = string_bytes(name)
+        if len(_STRINGS) >= 4096:
+            _STRINGS.clear()
+        _STRINGS[name] = out
+    return out
+
+
 def sort_keys_bytes(flat: dict[str, int]) -> bytes:
     """A flat dict of ASCII keys to safe non-negative ints (a vector clock), encoded.
 

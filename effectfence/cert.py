@@ -19,6 +19,7 @@ from typing import Any
 from effectfence.canonical import (
     CanonicalError,
     canonical_bytes,
+    name_bytes,
     sort_keys_bytes,
     string_bytes,
 )
@@ -75,20 +76,7 @@ def _hash_body(body: dict[str, Any]) -> str:
 
 
 _FORMAT_JSON = string_bytes(CERT_FORMAT)
-# Agents, domains and tools repeat across certificates: remember their encodings (bounded).
-_NAMES: dict[str, bytes] = {}
-_NAMES_MAX = 4096
-
-
-def name_json(name: str) -> bytes:
-    """RFC 8785 form of a name, from a small cache when it was seen recently."""
-    out = _NAMES.get(name)
-    if out is None:
-        out = string_bytes(name)
-        if len(_NAMES) >= _NAMES_MAX:
-            _NAMES.clear()
-        _NAMES[name] = out
-    return out
+name_json = name_bytes  # agents, domains and tools repeat: encoded once, remembered
 
 
 def clock_bytes(clock: dict[str, int]) -> bytes:
@@ -123,11 +111,11 @@ def spliced_hash(
     body = b"".join(
         (
             b'{"agent":',
-            _NAMES.get(agent) or name_json(agent),
+            name_json(agent),
             b',"args":',
             args_json,
             b',"domain":',
-            _NAMES.get(domain) or name_json(domain),
+            name_json(domain),
             b',"format":',
             _FORMAT_JSON,
             b',"intent":',
@@ -141,7 +129,7 @@ def spliced_hash(
             b',"seq":',
             str(seq).encode(),  # a safe integer (the fence caps seqs at 2**53-2)
             b',"tool":',
-            _NAMES.get(tool) or name_json(tool),
+            name_json(tool),
             b',"vector_clock":',
             clock_bytes(vector_clock),
             b"}",

@@ -19,8 +19,9 @@ from effectfence.canonical import (
     MAX_SAFE_INTEGER,
     CanonicalError,
     canonical_bytes,
+    fast_bytes,
     json_loads,
-    string_bytes,
+    name_bytes,
 )
 from effectfence.cert import EffectCert, spliced_hash
 from effectfence.clock import VectorClock
@@ -163,6 +164,11 @@ class EffectFence:
         self._inc = self._stats.reserve_slot
         self._slot_admitted = self._slot["admitted"]
         self._slot_commits = self._slot["commits"]
+        self._slot_replayed = self._slot["replayed"]
+        self._now = store.now
+        self._get = store.get
+        # the memory store keeps the payload itself: skip a call that returns its argument
+        self._fp_is_payload = type(store).fingerprint_of is MemoryStore.fingerprint_of
         self._auto = cfg.auto_sweep
         self._waiters: dict[str, threading.Event] = {}
         self._next_sweep = -math.inf
@@ -199,15 +205,23 @@ class EffectFence:
         it into the fingerprint it keeps (``FenceStore.fingerprint_of``)."""
         cfg = self.config
         try:
-            args_json = canonical_bytes(args, max_depth=cfg.max_depth, max_bytes=cfg.max_args_bytes)
+            args_json = fast_bytes(args, cfg.max_depth) or canonical_bytes(
+                args, max_depth=cfg.max_depth
+            )
+            if len(args_json) > cfg.max_args_bytes:
+                raise CanonicalError(
+                    "$",
+                    f"canonical form is {len(args_json)} bytes, over "
+                    f"max_args_bytes={cfg.max_args_bytes}",
+                )
             payload = b"".join(
                 (
                     b'{"args":',
                     args_json,
                     b',"domain":',
-                    string_bytes(domain),
+                    name_bytes(domain),
                     b',"tool":',
-                    string_bytes(tool),
+                    name_bytes(tool),
                     b"}",
                 )
             )
@@ -236,20 +250,20 @@ class EffectFence:
         except InvalidRequest:
             self._count("invalid_request")
             raise
-        fp = store.fingerprint_of(payload)
+        fp = payload if self._fp_is_payload else store.fingerprint_of(payload)
         intent = request.intent
-        now = store.now()
+        now = self._now()
         if self._auto and now >= self._next_sweep:
             self._auto_sweep()
-            now = store.now()
+            now = self._now()
         for attempt in range(_MAX_MOVES):
             if attempt:
-                now = store.now()
-            rec = store.get(intent)
+                now = self._now()
+            rec = self._get(intent)
             row, action = decide_prepare(rec, now, fp)
             if action is _REPLAY:
                 assert rec is not None
-                self._inc(self._slot["replayed"])
+                self._inc(self._slot_replayed)
                 return Replay(rec.cert)
             if action is not _CLAIM and action is not _TAKEOVER:
                 assert rec is not None

@@ -516,3 +516,19 @@ def test_string_bytes_is_exact(text: str) -> None:
 def test_string_bytes_refuses_lone_surrogates() -> None:
     with pytest.raises(CanonicalError):
         canonical.string_bytes("a\ud800b")
+
+
+def test_name_bytes_is_string_bytes_and_stays_bounded() -> None:
+    names = [f"agent-{i}" for i in range(5000)] + ["tōol", "dömain:\U0001f600"]
+    for n in names:
+        assert canonical.name_bytes(n) == canonical.string_bytes(n) == _exact_bytes(n)
+    assert len(canonical._STRINGS) <= 4096
+
+
+def test_fast_bytes_answers_only_for_the_common_shape() -> None:
+    assert (
+        canonical.fast_bytes({"b": 1, "a": [True, None, "x"]}, 8) == b'{"a":[true,null,"x"],"b":1}'
+    )
+    assert canonical.fast_bytes({"a": 1.0}, 8) is None  # integral float: exact path
+    assert canonical.fast_bytes({"a": "\ud800"}, 8) is None  # lone surrogate: exact path names it
+    assert canonical.fast_bytes([[[1]]], 2) is None  # too deep: exact path names it

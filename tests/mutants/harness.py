@@ -161,7 +161,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "fingerprint-ignores-domain",
         "G4",
         "effectfence/fence.py",
-        "                    b',\"domain\":',\n                    string_bytes(domain),\n",
+        "                    b',\"domain\":',\n                    name_bytes(domain),\n",
         "",
         _both(
             "tests/test_stateful.py::test_state_table_prepare_other_payload[{store}-done-domain]"
