@@ -44,10 +44,10 @@ from effectfence.model import (
     Replay,
 )
 from effectfence.protocol import (
+    PREPARE_TABLE,
     Action,
     IntentRecord,
     Row,
-    decide_prepare,
     judge_ticket,
     observe,
     prepare_refusal,
@@ -75,6 +75,7 @@ DEFAULT_MAX_DEPTH = 32
 _MAX_MOVES = 64  # a record that moves this often under one prepare is reported in flight
 
 _REPLAY, _CLAIM, _TAKEOVER = Action.REPLAY, Action.CLAIM, Action.TAKEOVER
+_ROW_ABSENT = Row.ABSENT
 
 PREPARE_BUCKETS = ("admitted", "replayed", *REFUSAL_TYPES)
 EVENT_BUCKETS = (
@@ -260,7 +261,12 @@ class EffectFence:
             if attempt:
                 now = self._now()
             rec = self._get(intent)
-            row, action = decide_prepare(rec, now, fp)
+            # rule 2 of the protocol (decide_prepare), inlined: this line runs per attempt
+            if rec is None:
+                row, action = _ROW_ABSENT, _CLAIM
+            else:
+                row = observe(rec, now)
+                action = PREPARE_TABLE[row, rec.fingerprint == fp]
             if action is _REPLAY:
                 assert rec is not None
                 self._inc(self._slot_replayed)
