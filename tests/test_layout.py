@@ -1,0 +1,53 @@
+"""The architecture, enforced: the core does no I/O and never imports the rooms around it."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parent.parent / "effectfence"
+CORE = [
+    "protocol.py",
+    "fence.py",
+    "model.py",
+    "cert.py",
+    "clock.py",
+    "canonical.py",
+    "errors.py",
+    "tickets.py",
+    "counters.py",
+    "_atomic.py",
+    "decorator.py",
+    "store/base.py",
+    "store/memory.py",
+]
+ROOMS = ("effectfence.mcp", "effectfence.scan", "effectfence.storm", "effectfence.cli")
+IO_MODULES = {"socket", "subprocess", "sqlite3", "http", "urllib", "asyncio.subprocess", "mcp"}
+
+
+def imported_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_core_imports_no_room_and_no_io() -> None:
+    for rel in CORE:
+        mods = imported_modules(PKG / rel)
+        rooms = {m for m in mods if m.startswith(ROOMS)}
+        io = {m for m in mods if m.split(".")[0] in IO_MODULES or m in IO_MODULES}
+        assert not rooms, f"{rel} imports {rooms}: rooms depend on the core, not the reverse"
+        assert not io, f"{rel} imports {io}: the core does no I/O"
+
+
+def test_importing_the_package_does_not_import_mcp() -> None:
+    code = "import sys, effectfence; print('mcp' in sys.modules, 'effectfence.mcp' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
