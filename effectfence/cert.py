@@ -19,6 +19,7 @@ from typing import Any
 from effectfence.canonical import (
     CanonicalError,
     canonical_bytes,
+    json_loads,
     name_bytes,
     sort_keys_bytes,
     string_bytes,
@@ -141,9 +142,9 @@ def spliced_hash(
 class EffectCert(tuple[Any, ...]):
     """Proof that one effect ran, what it was built on, and what it returned.
 
-    Immutable (a tuple underneath, so building one on the hot path is one C call). The
-    fields are attributes; nested ``args``/``result`` are plain JSON values, and changing
-    them in place is what :meth:`verify` exists to catch.
+    Immutable all the way down: a tuple holding ``args`` and ``result`` as their RFC 8785
+    bytes (the very bytes the hash covers) and handing out a fresh decoded copy on every
+    access, so no caller can change a certificate that the fence replays to others (G3).
     """
 
     __slots__ = ()
@@ -165,15 +166,18 @@ class EffectCert(tuple[Any, ...]):
     ) -> EffectCert:
         rs = tuple((d, s) for d, s in read_set)
         vc = dict(vector_clock)
-        if hash is None:
-            body = cert_body(intent, parent, domain, seq, tool, args, result, vc, rs, agent)
-            try:
-                hash = _hash_body(body)
-            except CanonicalError as exc:
-                raise InvalidRequest(f"certificate is not canonical JSON: {exc}") from exc
+        try:
+            args_json = canonical_bytes(args)
+            result_json = canonical_bytes(result)
+            if hash is None:
+                hash = _hash_body(
+                    cert_body(intent, parent, domain, seq, tool, args, result, vc, rs, agent)
+                )
+        except CanonicalError as exc:
+            raise InvalidRequest(f"certificate is not canonical JSON: {exc}") from exc
         # A given hash is kept as-is so verify() can tell a tampered certificate apart.
         return tuple.__new__(
-            cls, (intent, parent, domain, seq, tool, args, result, vc, rs, agent, hash)
+            cls, (intent, parent, domain, seq, tool, args_json, result_json, vc, rs, agent, hash)
         )
 
     @classmethod
@@ -184,17 +188,29 @@ class EffectCert(tuple[Any, ...]):
         domain: str,
         seq: int,
         tool: str,
-        args: Any,
-        result: Any,
+        args_json: bytes,
+        result_json: bytes,
         vector_clock: dict[str, int],
         read_set: tuple[tuple[str, int], ...],
         agent: str,
         hash: str,
     ) -> EffectCert:
-        """Assemble from values the fence already validated and hashed."""
+        """Assemble from canonical parts the fence already validated and hashed."""
         return tuple.__new__(
             cls,
-            (intent, parent, domain, seq, tool, args, result, vector_clock, read_set, agent, hash),
+            (
+                intent,
+                parent,
+                domain,
+                seq,
+                tool,
+                args_json,
+                result_json,
+                vector_clock,
+                read_set,
+                agent,
+                hash,
+            ),
         )
 
     @property
@@ -219,15 +235,27 @@ class EffectCert(tuple[Any, ...]):
 
     @property
     def args(self) -> Any:
-        return self[5]
+        """A fresh copy of the arguments, decoded from the hashed bytes."""
+        return json_loads(self[5])
 
     @property
     def result(self) -> Any:
-        return self[6]
+        """A fresh copy of the result, decoded from the hashed bytes."""
+        return json_loads(self[6])
+
+    @property
+    def args_json(self) -> bytes:
+        """The canonical bytes of ``args``, exactly as hashed."""
+        return self[5]  # type: ignore[no-any-return]
+
+    @property
+    def result_json(self) -> bytes:
+        """The canonical bytes of ``result``, exactly as hashed."""
+        return self[6]  # type: ignore[no-any-return]
 
     @property
     def vector_clock(self) -> dict[str, int]:
-        return self[7]  # type: ignore[no-any-return]
+        return dict(self[7])
 
     @property
     def read_set(self) -> tuple[tuple[str, int], ...]:
@@ -242,7 +270,18 @@ class EffectCert(tuple[Any, ...]):
         return self[10]  # type: ignore[no-any-return]
 
     def body(self) -> dict[str, Any]:
-        return cert_body(*self[:10])
+        return cert_body(
+            self.intent,
+            self.parent,
+            self.domain,
+            self.seq,
+            self.tool,
+            self.args,
+            self.result,
+            self[7],
+            self.read_set,
+            self.agent,
+        )
 
     def compute_hash(self) -> str:
         return _hash_body(self.body())
@@ -329,6 +368,9 @@ class EffectCert(tuple[Any, ...]):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (EffectCert._trusted, tuple(self))
+
+    def __getnewargs__(self) -> tuple[Any, ...]:  # copy/pickle go through __reduce__
+        return ()
 
 
 def _expect(data: Mapping[str, Any], field: str, typ: type) -> None:

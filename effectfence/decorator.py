@@ -96,7 +96,9 @@ def fenced(
         raise ValueError(f"wait_timeout must be > 0 and shorter than the lease ({lease}s)")
     if renew_every is not None and not 0 < renew_every < lease:
         raise ValueError(f"renew_every must be > 0 and shorter than the lease ({lease}s)")
-    if not isinstance(did_not_fire, tuple):
+    if not isinstance(did_not_fire, tuple) or not all(
+        isinstance(t, type) and issubclass(t, BaseException) for t in did_not_fire
+    ):
         raise TypeError("did_not_fire must be a tuple of exception types")
     render_intent = _renderer(intent, "intent")
     render_domain = _renderer(domain, "domain")
@@ -123,7 +125,9 @@ def fenced(
             if isinstance(exc, did_not_fire):
                 fence.release(ticket)
             else:
-                fence.abort(ticket, f"{type(exc).__name__}: {exc}"[:1000])
+                # the reason is shown to every later caller of this intent: name the
+                # exception's type, never its text (which may carry payment details)
+                fence.abort(ticket, f"the function raised {type(exc).__name__}")
 
         def commit(ticket: PreparedEffect, result: Any) -> EffectCert:
             try:

@@ -20,7 +20,6 @@ from effectfence.canonical import (
     CanonicalError,
     canonical_bytes,
     fast_bytes,
-    json_loads,
     name_bytes,
 )
 from effectfence.cert import EffectCert, spliced_hash
@@ -72,6 +71,8 @@ DEFAULT_SWEEP_INTERVAL = 1.0
 DEFAULT_SWEEP_BATCH = 10_000
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 20
 DEFAULT_MAX_DEPTH = 32
+#: longest lease or finite result lifetime accepted (~31 years): deadlines stay exact floats
+MAX_TTL = 1e9
 _MAX_MOVES = 64  # a record that moves this often under one prepare is reported in flight
 
 _REPLAY, _CLAIM, _TAKEOVER = Action.REPLAY, Action.CLAIM, Action.TAKEOVER
@@ -103,6 +104,9 @@ class FenceConfig:
     auto_sweep: bool = True
     sweep_interval: float = DEFAULT_SWEEP_INTERVAL
     sweep_batch: int = DEFAULT_SWEEP_BATCH
+    #: how long a lapsed lease nobody took over is kept (its holder may still commit)
+    #: before a sweep reclaims it; None: as long as a result would live (``result_ttl``)
+    lapsed_grace: float | None = None
     max_args_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     max_result_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     max_depth: int = DEFAULT_MAX_DEPTH
@@ -110,10 +114,20 @@ class FenceConfig:
     counters: str | None = None
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.lease_ttl, int | float) and 0 < self.lease_ttl < math.inf):
-            raise ValueError(f"lease_ttl must be a finite number > 0, got {self.lease_ttl!r}")
-        if not (isinstance(self.result_ttl, int | float) and self.result_ttl > 0):
-            raise ValueError("result_ttl must be > 0 (math.inf keeps results forever)")
+        if not (isinstance(self.lease_ttl, int | float) and 0 < self.lease_ttl <= MAX_TTL):
+            raise ValueError(f"lease_ttl must be > 0 and <= {MAX_TTL:g} s, got {self.lease_ttl!r}")
+        if not (
+            isinstance(self.result_ttl, int | float)
+            and (0 < self.result_ttl <= MAX_TTL or self.result_ttl == math.inf)
+        ):
+            raise ValueError(
+                f"result_ttl must be > 0 and <= {MAX_TTL:g} s, or math.inf to keep results forever"
+            )
+        if self.lapsed_grace is not None and not (
+            isinstance(self.lapsed_grace, int | float)
+            and (0 <= self.lapsed_grace <= MAX_TTL or self.lapsed_grace == math.inf)
+        ):
+            raise ValueError(f"lapsed_grace must be in [0, {MAX_TTL:g}] s, math.inf or None")
         if not self.sweep_interval > 0 or self.sweep_batch < 1:
             raise ValueError("sweep_interval must be > 0 and sweep_batch >= 1")
         if self.max_args_bytes < 2 or self.max_result_bytes < 2 or self.max_depth < 1:
@@ -159,6 +173,7 @@ class EffectFence:
         self.store = store
         self._lease_ttl = float(cfg.lease_ttl)
         self._result_ttl = float(cfg.result_ttl)
+        self._lapsed_grace = float(cfg.result_ttl if cfg.lapsed_grace is None else cfg.lapsed_grace)
         backend = store.counters_backend
         self._stats = new_table(backend if backend in ("atomic", "pure") else None)
         self._slot = {k: self._stats.slot(k) for k in (*PREPARE_BUCKETS, *EVENT_BUCKETS)}
@@ -295,7 +310,7 @@ class EffectFence:
                     res.token,
                     res.lease_until,
                     res.head,
-                    action is _TAKEOVER,
+                    res.takeover,
                 )
             if res.stale is not None:
                 d, want, got = res.stale
@@ -454,16 +469,16 @@ class EffectFence:
             )
         except CanonicalError as exc:
             raise InvalidRequest(f"certificate of {intent!r}: {exc}", intent=intent) from exc
-        # The certificate keeps private copies decoded from the hashed bytes, so neither the
-        # caller's args nor its result object can change a certificate after the fact (G3).
+        # The certificate keeps the hashed bytes, not the caller's objects: neither the
+        # caller's args nor its result can change a certificate after the fact (G3).
         cert = EffectCert._trusted(
             intent,
             ticket.parent,
             domain,
             ticket.seq,
             ticket.tool,
-            json_loads(args_json),
-            json_loads(result_json),
+            args_json,
+            result_json,
             vc,
             rs,
             ticket.agent,
@@ -518,8 +533,8 @@ class EffectFence:
     def renew(self, ticket: PreparedEffect, ttl: float | None = None) -> float:
         """Heartbeat: extend the lease while the token is current; returns the new deadline."""
         lease = self._lease_ttl if ttl is None else ttl
-        if not (isinstance(lease, int | float) and 0 < lease < math.inf):
-            raise InvalidRequest(f"ttl must be a finite number > 0, got {ttl!r}")
+        if not (isinstance(lease, int | float) and 0 < lease <= MAX_TTL):
+            raise InvalidRequest(f"ttl must be > 0 and <= {MAX_TTL:g} s, got {ttl!r}")
         self._check_ticket("renew", ticket)
         until = self.store.now() + lease
         ok, cur = self.store.renew(ticket.intent, ticket.token, until)
@@ -593,7 +608,7 @@ class EffectFence:
 
     def sweep(self, limit: int | None = None) -> int:
         """Reclaim expired results and lapsed leases now; returns how many."""
-        n = self.store.sweep(limit)
+        n = self.store.sweep(limit, lapsed_grace=self._lapsed_grace)
         for _ in range(n):
             self._count("reclaimed")
         return n

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
+from effectfence.canonical import MAX_SAFE_INTEGER
 from effectfence.cert import EffectCert
 from effectfence.clock import VectorClock
 from effectfence.errors import InvalidRequest
@@ -39,7 +40,18 @@ def _name(field: str, value: object) -> str:
         raise InvalidRequest(f"{field} must be a non-empty string, got {type(value).__name__}")
     if len(value) > MAX_NAME_LENGTH:
         raise InvalidRequest(f"{field} is longer than {MAX_NAME_LENGTH} characters")
+    _utf8(field, value)
     return value
+
+
+def _utf8(field: str, value: str) -> None:
+    """Every name ends up in a certificate: one that cannot be encoded (a lone surrogate)
+    must be refused now, not discovered at commit after the effect ran."""
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidRequest(f"{field} is not valid Unicode text (a lone surrogate)") from exc
 
 
 def _seq(field: str, value: object) -> int:
@@ -111,13 +123,13 @@ class EffectRequest:
     ) -> None:
         # Inline checks: this runs once per attempt, duplicates included (the hot path).
         n = MAX_NAME_LENGTH
-        if type(intent) is not str or not 0 < len(intent) <= n:
+        if type(intent) is not str or not 0 < len(intent) <= n or not intent.isascii():
             _name("intent", intent)
-        if type(domain) is not str or not 0 < len(domain) <= n:
+        if type(domain) is not str or not 0 < len(domain) <= n or not domain.isascii():
             _name("domain", domain)
-        if type(tool) is not str or not 0 < len(tool) <= n:
+        if type(tool) is not str or not 0 < len(tool) <= n or not tool.isascii():
             _name("tool", tool)
-        if type(agent) is not str or not 0 < len(agent) <= n:
+        if type(agent) is not str or not 0 < len(agent) <= n or not agent.isascii():
             _name("agent", agent)
         self.intent = intent
         self.domain = domain
@@ -132,8 +144,10 @@ class EffectRequest:
                 raise InvalidRequest(f"args must be a JSON object, got {type(args).__name__}")
         self.args = args
         self.read_set = _read_set(read_set) if read_set else ()
-        if parent is not None and (type(parent) is not str or not parent):
-            raise InvalidRequest("parent must be a certificate hash (a non-empty string)")
+        if parent is not None:
+            if type(parent) is not str or not parent or len(parent) > MAX_NAME_LENGTH:
+                raise InvalidRequest("parent must be a certificate hash (a non-empty string)")
+            _utf8("parent", parent)
         self.parent = parent
         if known_clock is None or type(known_clock) is VectorClock:
             self.known_clock = known_clock
@@ -142,6 +156,12 @@ class EffectRequest:
                 self.known_clock = VectorClock(known_clock)
             except (ValueError, TypeError, AttributeError) as exc:
                 raise InvalidRequest(f"known_clock: {exc}") from exc
+        if self.known_clock:
+            for a in self.known_clock:
+                _utf8("known_clock agent", a)
+            # the ticket's clock ticks this agent once more: that must stay JSON-safe too
+            if self.known_clock.get(agent, 0) >= MAX_SAFE_INTEGER:
+                raise InvalidRequest(f"known_clock[{agent!r}] is at the JSON-safe maximum")
         self.expected_seq = None if expected_seq is None else _seq("expected_seq", expected_seq)
 
     def __repr__(self) -> str:

@@ -324,7 +324,15 @@ class FenceMachine(RuleBasedStateMachine):
     @rule()
     def sweep(self) -> None:
         m, now = self.m, self.clock()
-        due = [i for i in m.records if m.row(i, now) in ("in_flight_lapsed", "done_expired")]
+        # a lapsed lease is kept for the grace period (result_ttl by default), then reclaimed
+        due = [
+            i
+            for i in m.records
+            if m.row(i, now) == "done_expired"
+            or (
+                m.row(i, now) == "in_flight_lapsed" and now >= m.records[i].lease_until + RESULT_TTL
+            )
+        ]
         n = self.fence.sweep()
         assert n == len(due), (n, due)
         for i in due:
@@ -675,15 +683,17 @@ def test_sweep_reclaims_exactly_the_expired(store_kind: str) -> None:
     fence.commit(done, "ok")
     clock.advance(LEASE - 1)
     fence.renew(renewed)
-    clock.advance(1)  # lapsing and the failed one's old lease are due; renewed is not
-    assert fence.sweep() == 1
-    assert fence.store.get("lapsing") is None
-    for kept in ("renewed", "failed", "done"):
-        assert fence.store.get(kept) is not None, kept
+    clock.advance(1)  # lapsing lapsed now, but nobody took over: still its holder's
+    assert fence.sweep() == 0
+    assert fence.store.get("lapsing") is not None
+    clock.advance(RESULT_TTL)  # past the grace for lapsing; done expired; renewed not yet
+    assert fence.sweep() == 2
+    assert fence.store.get("lapsing") is None and fence.store.get("done") is None
     with pytest.raises(LeaseLost):
         fence.commit(lapsing, "too late: reclaimed")
-    clock.advance(RESULT_TTL)
-    assert fence.sweep() == 2  # the done result and the renewed (now lapsed) lease
+    assert fence.store.get("renewed") is not None
+    clock.advance(LEASE)  # renewed's lease lapsed more than the grace ago
+    assert fence.sweep() == 1
     assert fence.intent_status("failed").state == "failed", "unknown stays fenced (G9)"
     assert fence.sweep() == 0
     assert fence.store.size()["records"] == 1

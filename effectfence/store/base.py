@@ -47,7 +47,17 @@ class ClaimResult:
     - race: ``ok`` False, ``race`` = the domain's actual seq (expected_seq lost).
     """
 
-    __slots__ = ("current", "head", "lease_until", "ok", "race", "seq", "stale", "token")
+    __slots__ = (
+        "current",
+        "head",
+        "lease_until",
+        "ok",
+        "race",
+        "seq",
+        "stale",
+        "takeover",
+        "token",
+    )
 
     def __init__(
         self,
@@ -69,6 +79,8 @@ class ClaimResult:
         self.current = current
         self.stale = stale
         self.race = race
+        #: the claim replaced a lapsed lease (not an absent or expired record)
+        self.takeover = False
 
 
 class CommitResult:
@@ -197,8 +209,12 @@ class FenceStore(ABC):
         """How many attempts are in flight on ``domain``."""
 
     @abstractmethod
-    def sweep(self, limit: int | None = None) -> int:
-        """Reclaim expired results and lapsed leases at O(expired) cost; returns how many."""
+    def sweep(self, limit: int | None = None, *, lapsed_grace: float = 0.0) -> int:
+        """Reclaim expired results, and leases lapsed for more than ``lapsed_grace`` seconds,
+        at O(expired) cost; returns how many.
+
+        A lapsed lease nobody took over still belongs to its holder, who may commit: it is
+        kept for the grace period, then reclaimed (its holder is presumed dead)."""
 
     @abstractmethod
     def size(self) -> dict[str, int]:

@@ -37,6 +37,8 @@ __all__ = ["DEFAULT_STRIPES", "DEFAULT_WHEEL_GRANULARITY", "MemoryStore"]
 
 _RECLAIMABLE = (Row.IN_FLIGHT_LAPSED, Row.DONE_EXPIRED)
 _COMMITTED = CommitResult(True)
+_PROCESS_TOKENS = new_table()
+_TOKEN_SLOT = _PROCESS_TOKENS.slot("")  # "" is never a valid domain
 _IN_FLIGHT = State.IN_FLIGHT
 _DONE = State.DONE
 
@@ -64,9 +66,10 @@ class MemoryStore(FenceStore):
         self._clock = clock
         self._seqs = counters if counters is not None else new_table()
         self.counters_backend = self._seqs.backend
-        # fencing tokens: one monotonic counter for the store ("" is never a valid domain)
-        self._tokens = new_table(self._seqs.backend)
-        self._token_slot = self._tokens.slot("")
+        # fencing tokens: one monotonic counter for the whole process, so a ticket from one
+        # store can never carry a token that is current in another
+        self._tokens = _PROCESS_TOKENS
+        self._token_slot = _TOKEN_SLOT
         self._records: dict[str, IntentRecord] = {}
         self._locks = [threading.Lock() for _ in range(stripes)]
         # attempts in flight per domain, one dict per stripe, each changed only under its
@@ -114,14 +117,21 @@ class MemoryStore(FenceStore):
 
     def _schedule(self, deadline: float, intent: str, token: int) -> None:
         b = math.ceil(deadline / self._g)
-        bucket = self._wheel.get(b)
-        if bucket is None:
-            with self._wheel_lock:
-                bucket = self._wheel.get(b)
-                if bucket is None:
-                    bucket = self._wheel[b] = []
-                    heapq.heappush(self._due, b)
-        bucket.append((intent, token))
+        entry = (intent, token)
+        while True:
+            bucket = self._wheel.get(b)
+            if bucket is None:
+                with self._wheel_lock:
+                    bucket = self._wheel.get(b)
+                    if bucket is None:
+                        bucket = self._wheel[b] = []
+                        heapq.heappush(self._due, b)
+            bucket.append(entry)
+            # A sweep may have taken this bucket between the lookup and the append (only if
+            # the deadline is already due); then the entry went to a list nobody reads:
+            # schedule it again, into a bucket the next sweep will see.
+            if self._wheel.get(b) is bucket:
+                return
 
     def _at(self, domain: str) -> int:
         """A domain's seq; an absent domain is at the floor, so eviction cannot bring back
@@ -163,23 +173,44 @@ class MemoryStore(FenceStore):
                 if cur.token != observed_token or row not in _RECLAIMABLE:
                     return ClaimResult(False, current=cur)
                 takeover = row is Row.IN_FLIGHT_LAPSED
-            # condition 2: the read set still holds
+            # condition 2: the read set still holds. Entries on other domains are checked
+            # here; an entry on the claim's own domain is checked BY the reservation below
+            # (a compare-exchange), since other intents' claims hold other stripes and may
+            # reserve on this domain between a check and a separate fetch-add.
+            own: int | None = None
             if read_set:
-                stale = self._stale(read_set)
+                others = []
+                for d, s in read_set:
+                    if d == domain:
+                        own = s
+                    else:
+                        others.append((d, s))
+                stale = self._stale(others) if others else None
+                if stale is None and own is not None and expected_seq not in (None, own):
+                    stale = (domain, own, self._at(domain))  # both cannot hold at once
                 if stale is not None:
                     return ClaimResult(False, stale=stale)
-            # condition 3: reserve (compare-exchange with expected_seq, fetch-add without)
-            if expected_seq is None:
+            # condition 3: reserve (compare-exchange with expected_seq or an own-domain
+            # read-set entry, fetch-add without)
+            strict = expected_seq if expected_seq is not None else own
+            if strict is None:
                 seq = self._seqs.reserve(domain)
             else:
+                lost: int | None = None
                 if self._seqs.find(domain) < 0:
                     floor = self._seqs.floor()
-                    if expected_seq != floor:  # lose without creating the domain (G7)
-                        return ClaimResult(False, race=floor)
-                got = self._seqs.advance_if(domain, expected_seq)
-                if got < 0:
-                    return ClaimResult(False, race=-got - 1)
-                seq = got
+                    if strict != floor:  # lose without creating the domain (G7)
+                        lost = floor
+                if lost is None:
+                    got = self._seqs.advance_if(domain, strict)
+                    if got < 0:
+                        lost = -got - 1
+                    else:
+                        seq = got
+                if lost is not None:
+                    if expected_seq is None:  # the read set's own entry moved
+                        return ClaimResult(False, stale=(domain, strict, lost))
+                    return ClaimResult(False, race=lost)
             token = self._tokens.reserve_slot(self._token_slot)
             lease_until = now + lease_ttl
             self._records[intent] = IntentRecord(
@@ -193,7 +224,9 @@ class MemoryStore(FenceStore):
                 self._enter(stripe, domain)
             head = self._heads.get(domain, EMPTY_HEAD)
         self._schedule(lease_until, intent, token)
-        return ClaimResult(True, seq, token, lease_until, head)
+        res = ClaimResult(True, seq, token, lease_until, head)
+        res.takeover = takeover
+        return res
 
     def complete(
         self,
@@ -350,8 +383,9 @@ class MemoryStore(FenceStore):
             for lk in reversed(self._locks):
                 lk.release()
 
-    def sweep(self, limit: int | None = None) -> int:
+    def sweep(self, limit: int | None = None, *, lapsed_grace: float = 0.0) -> int:
         now = self._clock()
+        later: list[tuple[float, str, int]] = []
         reclaimed = 0
         visited = 0
         while True:
@@ -367,6 +401,8 @@ class MemoryStore(FenceStore):
                     with self._wheel_lock:
                         self._wheel.setdefault(b, []).extend(rest)
                         heapq.heappush(self._due, b)
+                    for deadline, pending, tok in later:
+                        self._schedule(deadline, pending, tok)
                     return reclaimed
                 visited += 1
                 stripe = hash(intent) & self._mask
@@ -376,11 +412,20 @@ class MemoryStore(FenceStore):
                         continue
                     row = observe(cur, now)
                     if row is Row.IN_FLIGHT_LAPSED:
+                        # its holder may still commit while nobody took over: keep it for
+                        # the grace period, then reclaim (G8)
+                        reclaim_at = cur.lease_until + lapsed_grace
+                        if now < reclaim_at:
+                            if reclaim_at < math.inf:
+                                later.append((reclaim_at, intent, token))
+                            continue
                         self._leave(stripe, cur.domain)
                     elif row is not Row.DONE_EXPIRED:
                         continue
                     del self._records[intent]
                     reclaimed += 1
+        for deadline, intent, token in later:
+            self._schedule(deadline, intent, token)
         return reclaimed
 
     def size(self) -> dict[str, int]:

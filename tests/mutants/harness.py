@@ -193,7 +193,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "expected-seq-ignored",
         "G6",
         "effectfence/store/memory.py",
-        "            if expected_seq is None:\n                seq = self._seqs.reserve(domain)",
+        "            if strict is None:\n                seq = self._seqs.reserve(domain)",
         "            if True:\n                seq = self._seqs.reserve(domain)",
         _both(
             "tests/test_chaos.py::test_forced_domain_race_exactly_one_winner_every_trial[{store}]"
@@ -213,8 +213,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "read-set-unchecked-at-prepare",
         "G6",
         "effectfence/store/memory.py",
-        "            if read_set:\n                stale = self._stale(read_set)",
-        "            if False:\n                stale = self._stale(read_set)",
+        "                stale = self._stale(others) if others else None\n",
+        "                stale = None\n",
         _both("tests/test_stateful.py::test_read_set_checked_at_prepare_and_commit[{store}]"),
         "the read set is not checked at prepare",
     ),
@@ -271,6 +271,44 @@ MUTANTS: tuple[Mutant, ...] = (
         "            return len(self.hash) == 64",
         _both("tests/test_stateful.py::test_replayed_cert_is_tamper_evident[{store}]"),
         "verify() does not recompute the hash",
+    ),
+    # -- guards added after the review (tests/test_regressions.py) ---------------------------
+    Mutant(
+        "own-read-set-entry-not-atomic",
+        "G6",
+        "effectfence/store/memory.py",
+        "            strict = expected_seq if expected_seq is not None else own\n",
+        "            strict = expected_seq\n",
+        tuple(
+            "tests/test_regressions.py::"
+            f"test_own_domain_read_set_is_checked_atomically_with_the_reservation[{k}]"
+            for k in ("atomic", "pure")
+        ),
+        "a read-set entry on the claim's own domain is checked apart from the reservation",
+    ),
+    Mutant(
+        "sweep-reclaims-lapsed-at-once",
+        "G2",
+        "effectfence/store/memory.py",
+        "                        if now < reclaim_at:\n",
+        "                        if False:\n",
+        _both(
+            "tests/test_regressions.py::"
+            "test_lapsed_holder_not_taken_over_can_commit_despite_auto_sweep[{store}]"
+        ),
+        "sweep deletes a lapsed lease its holder could still commit",
+    ),
+    Mutant(
+        "replay-shares-result-object",
+        "G3",
+        "effectfence/cert.py",
+        "        return json_loads(self[6])\n",
+        '        return globals().setdefault("_shared", {}).setdefault(self[10], json_loads(self[6]))\n',  # noqa: E501
+        _both(
+            "tests/test_regressions.py::"
+            "test_mutating_a_replayed_result_does_not_change_the_recorded_certificate[{store}]"
+        ),
+        "replays hand out one shared result object that a caller can edit",
     ),
 )
 
