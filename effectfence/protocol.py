@@ -308,7 +308,7 @@ _OTHER_EDGES = (
     (Row.IN_FLIGHT_LIVE, Row.IN_FLIGHT_LIVE, "renew (current token)"),
     (Row.IN_FLIGHT_LIVE, Row.IN_FLIGHT_LAPSED, "lease_ttl passes"),
     (Row.IN_FLIGHT_LAPSED, Row.DONE_LIVE, "commit (token still current)"),
-    (Row.IN_FLIGHT_LAPSED, Row.ABSENT, "sweep"),
+    (Row.IN_FLIGHT_LAPSED, Row.ABSENT, "sweep, once lapsed_grace has passed"),
     (Row.DONE_LIVE, Row.DONE_EXPIRED, "result_ttl passes"),
     (Row.DONE_EXPIRED, Row.ABSENT, "sweep"),
     (Row.FAILED, Row.ABSENT, "clear_intent (operator)"),
