@@ -194,7 +194,9 @@ def _es6_number(f: float) -> str:
 def _int_text(value: int) -> str:
     if _MIN_SAFE <= value <= MAX_SAFE_INTEGER:
         return int.__repr__(value)
-    raise _Fail(f"integer {int(value)} is outside the safe range ±(2**53-1)")
+    # the value itself is not quoted: it may be an account or card number
+    digits = len(str(abs(int(value))))
+    raise _Fail(f"a {digits}-digit integer is outside the safe range ±(2**53-1)")
 
 
 def _float_text(value: float) -> str:

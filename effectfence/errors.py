@@ -47,8 +47,10 @@ class Refusal(FenceError):
     """The fence declined an operation; nothing beyond statistics changed."""
 
     code: ClassVar[str] = "refusal"
-    retryable: ClassVar[bool] = False
-    recover: ClassVar[str] = ""
+    #: the defaults for the code; one refusal may say otherwise (a stale read set found at
+    #: commit is not retryable: the effect already ran)
+    retryable: bool = False
+    recover: str = ""
 
     def __init__(
         self,
@@ -58,9 +60,15 @@ class Refusal(FenceError):
         state: str | None = None,
         token: int | None = None,
         holder: str | None = None,
+        retryable: bool | None = None,
+        recover: str | None = None,
         **details: Any,
     ) -> None:
         super().__init__(message)
+        if retryable is not None:
+            self.retryable = retryable
+        if recover is not None:
+            self.recover = recover
         self.message = message
         self.intent = intent
         self.state = state

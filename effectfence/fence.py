@@ -194,6 +194,13 @@ class EffectFence:
     def _count(self, bucket: str) -> None:
         self._inc(self._slot[bucket])
 
+    def count_refused_prepare(self, code: str) -> None:
+        """For drivers that refuse a prepare before it reaches the fence (a malformed MCP
+        call): the attempt still lands in exactly one statistics bucket."""
+        if code not in REFUSAL_TYPES:
+            raise ValueError(f"unknown refusal code {code!r}")
+        self._count(code)
+
     def stats(self) -> dict[str, Any]:
         """Every prepare attempt in exactly one bucket, plus event counts and sizes."""
         load = self._stats.load_slot
@@ -501,6 +508,9 @@ class EffectFence:
             raise ReadSetStale(
                 f"can't commit {ticket.intent!r}: {d!r} moved from {want} to {got} while the "
                 "effect ran; the intent is now FAILED: reconcile, then clear it",
+                retryable=False,
+                recover="the effect ran on a stale view: do not run it again; reconcile "
+                "downstream, then an operator clears the intent",
                 intent=ticket.intent,
                 state="failed",
                 token=ticket.token,
@@ -650,9 +660,10 @@ class EffectFence:
         known_clock: Mapping[str, int] | None = None,
         expected_seq: int | None = None,
     ) -> Admission:
-        """``prepare(EffectRequest(...))`` in one call."""
-        return self.prepare(
-            EffectRequest(
+        """``prepare(EffectRequest(...))`` in one call; a malformed request is counted as
+        an ``invalid_request`` attempt like any other refusal."""
+        try:
+            request = EffectRequest(
                 intent,
                 domain,
                 tool,
@@ -663,4 +674,7 @@ class EffectFence:
                 known_clock=known_clock,
                 expected_seq=expected_seq,
             )
-        )
+        except InvalidRequest:
+            self._count("invalid_request")
+            raise
+        return self.prepare(request)

@@ -25,6 +25,9 @@ __all__ = [
 ]
 
 MAX_NAME_LENGTH = 512
+#: bounds on what a request may carry besides its args: these end up in every ticket
+MAX_READ_SET = 256
+MAX_CLOCK_AGENTS = 256
 _SEQ_MAX = 2**53 - 2  # seqs go into certificates: keep seq+1 JSON-safe (RFC 8785)
 
 
@@ -68,6 +71,8 @@ def _read_set(entries: Iterable[Any] | None) -> tuple[ReadSetEntry, ...]:
     out: list[ReadSetEntry] = []
     seen: dict[str, int] = {}
     for e in entries:
+        if len(out) >= MAX_READ_SET:
+            raise InvalidRequest(f"read_set has more than {MAX_READ_SET} entries")
         if isinstance(e, Mapping):
             d, s = e.get("domain"), e.get("seq")
         elif isinstance(e, tuple | list) and len(e) == 2:
@@ -157,7 +162,13 @@ class EffectRequest:
             except (ValueError, TypeError, AttributeError) as exc:
                 raise InvalidRequest(f"known_clock: {exc}") from exc
         if self.known_clock:
+            if len(self.known_clock) > MAX_CLOCK_AGENTS:
+                raise InvalidRequest(f"known_clock names more than {MAX_CLOCK_AGENTS} agents")
             for a in self.known_clock:
+                if len(a) > MAX_NAME_LENGTH:
+                    raise InvalidRequest(
+                        f"a known_clock agent is longer than {MAX_NAME_LENGTH} characters"
+                    )
                 _utf8("known_clock agent", a)
             # the ticket's clock ticks this agent once more: that must stay JSON-safe too
             if self.known_clock.get(agent, 0) >= MAX_SAFE_INTEGER:

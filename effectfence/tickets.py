@@ -30,25 +30,39 @@ _MAX_WIRE = 4 << 20
 class TicketSigner:
     """Seals tickets for the wire and opens them again, refusing any that were altered."""
 
-    __slots__ = ("_key",)
+    __slots__ = ("_key", "_scope")
 
-    def __init__(self, key: bytes | None = None) -> None:
+    def __init__(self, key: bytes | None = None, *, scope: str = "") -> None:
         if key is None:
             env = os.environ.get(TICKET_KEY_ENV)
             key = env.encode() if env else secrets.token_bytes(32)
         if len(key) < 16:
             raise ValueError(f"a ticket key needs at least 16 bytes ({TICKET_KEY_ENV})")
         self._key = key
+        # The store a ticket belongs to is part of what is authenticated: two processes that
+        # share a key but not a store (each its own memory) can never honour each other's
+        # tickets, whose tokens come from unrelated counters.
+        self._scope = scope.encode()
 
     def __repr__(self) -> str:
         return "TicketSigner(key=<hidden>)"
 
     def _mac(self, body: bytes) -> str:
-        return hmac.new(self._key, body, hashlib.sha256).hexdigest()
+        return hmac.new(self._key, self._scope + b"\x00" + body, hashlib.sha256).hexdigest()
 
     def seal(self, ticket: PreparedEffect) -> str:
+        """The wire form; refused (InvalidRequest) if :meth:`open` would refuse it as too
+        large, so no one is ever handed a ticket that cannot be committed."""
         body = canonical_bytes(ticket.to_dict())
-        return base64.urlsafe_b64encode(body).decode().rstrip("=") + "." + self._mac(body)
+        wire = base64.urlsafe_b64encode(body).decode().rstrip("=") + "." + self._mac(body)
+        if len(wire) > _MAX_WIRE:
+            raise InvalidRequest(
+                f"the ticket for {ticket.intent!r} would be {len(wire)} bytes, over the "
+                f"{_MAX_WIRE} a ticket may carry: send fewer read-set entries or a smaller "
+                "known_clock",
+                intent=ticket.intent,
+            )
+        return wire
 
     def open(self, wire: object) -> PreparedEffect:
         if type(wire) is not str or not wire or len(wire) > _MAX_WIRE:

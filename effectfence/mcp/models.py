@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictInt, StrictStr, WithJsonSchema
 
 from effectfence.cert import CERT_FORMAT
-from effectfence.model import MAX_NAME_LENGTH
+from effectfence.model import MAX_CLOCK_AGENTS, MAX_NAME_LENGTH, MAX_READ_SET
 
 __all__ = [
     "AbortInput",
@@ -48,7 +48,14 @@ __all__ = [
 ReadPair = Annotated[tuple[StrictStr, StrictInt], Strict(False)]
 
 _Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME_LENGTH)]
-_Seq = Annotated[int, Field(ge=0, le=2**63 - 2)]
+# seqs and clock counters go into RFC 8785 certificates: JSON-safe integers only
+_Seq = Annotated[int, Field(ge=0, le=2**53 - 2)]
+_Counter = Annotated[StrictInt, Field(ge=0, le=2**53 - 1)]
+#: the input form of a read-set pair, bounded like the core bounds it
+ReadPairIn = Annotated[
+    tuple[Annotated[StrictStr, Field(min_length=1, max_length=MAX_NAME_LENGTH)], StrictInt],
+    Strict(False),
+]
 _TICKET_DESC = (
     "The `prepared` ticket exactly as fence_prepare returned it (an authenticated string; "
     "any edit makes it invalid)."
@@ -134,8 +141,9 @@ class PrepareInput(_Input):
         "Same intent with different tool/args/domain is refused intent_conflict."
     )
     agent: _Name = Field(description="Who is asking (your agent id); recorded in the cert.")
-    read_set: list[ReadSetItem | ReadPair] | None = Field(
+    read_set: list[ReadSetItem | ReadPairIn] | None = Field(
         default=None,
+        max_length=MAX_READ_SET,
         description="Optional: domains you read when you decided, as {domain, seq} objects "
         "or [domain, seq] pairs. Refused read_set_stale if any moved (at prepare or commit).",
     )
@@ -144,8 +152,9 @@ class PrepareInput(_Input):
         description="Optional: hash of the cert this effect follows (default: the "
         "domain's last cert).",
     )
-    known_clock: dict[str, StrictInt] | None = Field(
+    known_clock: dict[_Name, _Counter] | None = Field(
         default=None,
+        max_length=MAX_CLOCK_AGENTS,
         description="Optional: your vector clock (agent -> counter), merged into the cert.",
     )
     expected_seq: _Seq | None = Field(

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -72,7 +73,7 @@ from effectfence.mcp.models import (
     VerifyInput,
     VerifyOutput,
 )
-from effectfence.model import EffectRequest, PreparedEffect
+from effectfence.model import PreparedEffect
 from effectfence.tickets import TICKET_KEY_ENV, TicketSigner
 
 __all__ = ["ALLOW_CLEAR_ENV", "SERVER_NAME", "STORE_ENV", "build_server", "main"]
@@ -89,10 +90,10 @@ INSTRUCTIONS = """\
 effectfence makes side-effecting tool calls run exactly once across retries, duplicate
 dispatches and concurrent agents. Before any side effect (payment, email, provisioning,
 write) call fence_prepare with a stable `intent` id for that one logical action:
-- status "fresh" (run=true): run the real tool once, then fence_commit(prepared, result).
+- status "fresh": run the real tool once, then fence_commit(prepared, result).
   If it failed and MAY have fired: fence_abort(prepared, reason). If it certainly did not
   fire: fence_release(prepared).
-- status "replay" (run=false): it already ran. Do NOT run it again; use `result`.
+- status "replay": it already ran. Do NOT run it again; use `result`.
 - an error result: do NOT run the real tool; follow `recover` (intent_in_flight: wait
   retry_after seconds, then prepare again).
 Never run the real tool unless fence_prepare answered "fresh" for this intent."""
@@ -102,11 +103,11 @@ Ask permission BEFORE running a side-effecting tool (payment, email, provisionin
 whose duplicate would do harm). Exactly one caller per `intent` is told to run it.
 
 Answers:
-- status "fresh" (run=true): you hold the intent. Run the real tool NOW, once, with exactly
+- status "fresh": you hold the intent. Run the real tool NOW, once, with exactly
   `args`. Then: it succeeded -> fence_commit(prepared, result). It failed and MAY have fired
   (timeout, crash, ambiguous error) -> fence_abort(prepared, reason). It certainly did NOT
   fire -> fence_release(prepared). A long effect calls fence_renew before lease_expires_in.
-- status "replay" (run=false): the effect ALREADY RAN. Do NOT run the real tool. Use
+- status "replay": the effect ALREADY RAN. Do NOT run the real tool. Use
   `result` (and `cert`) as its outcome.
 - error intent_in_flight: another attempt holds it. Do NOT run; wait details.retry_after
   seconds, then call fence_prepare again with the same arguments.
@@ -220,13 +221,19 @@ def _tool(
     output_model: type[BaseModel],
     annotations: ToolAnnotations,
     op: Callable[[_In], CallToolResult],
+    on_invalid: Callable[[], None] | None = None,
 ) -> Tool:
-    """Register ``op`` under ``name`` with the models' schemas; refusals become results."""
+    """Register ``op`` under ``name`` with the models' schemas; refusals become results.
+
+    ``on_invalid`` runs when the arguments are refused before the fence sees them (so a
+    malformed fence_prepare is still counted as an attempt)."""
 
     async def run(arguments: dict[str, Any]) -> CallToolResult:
         try:
             request = input_model.model_validate(arguments)
         except ValidationError as exc:
+            if on_invalid is not None:
+                on_invalid()
             return _refused(_invalid_arguments(name, exc))
         try:
             return op(request)
@@ -287,25 +294,30 @@ class _FenceTools:
         read_set = [
             (e.domain, e.seq) if isinstance(e, ReadSetItem) else e for e in req.read_set or ()
         ]
-        admission = self.fence.prepare(
-            EffectRequest(
-                req.intent,
-                req.domain,
-                req.tool,
-                req.args,
-                req.agent,
-                read_set=read_set,
-                parent=req.parent,
-                known_clock=req.known_clock,
-                expected_seq=req.expected_seq,
-            )
+        admission = self.fence.request(
+            req.intent,
+            req.domain,
+            req.tool,
+            req.args,
+            req.agent,
+            read_set=read_set,
+            parent=req.parent,
+            known_clock=req.known_clock,
+            expected_seq=req.expected_seq,
         )
         if admission.fresh:
             ticket = admission.ticket
+            try:
+                sealed = self.signer.seal(ticket)
+            except InvalidRequest:
+                # Never answer "fresh" with a ticket this server would refuse at commit:
+                # nothing has run yet, so the claim is released (it certainly did not fire).
+                self.fence.release(ticket)
+                raise
             out = PrepareOutput.model_construct(
                 status="fresh",
                 intent=ticket.intent,
-                prepared=self.signer.seal(ticket),
+                prepared=sealed,
                 token=ticket.token,
                 seq=ticket.seq,
                 takeover=bool(getattr(admission, "takeover", False)),
@@ -477,7 +489,9 @@ def build_server(
     ``signer`` (default: key from ``EFFECTFENCE_TICKET_KEY``, else random per server).
     """
     fence = fence if fence is not None else EffectFence()
-    tools = _FenceTools(fence, signer if signer is not None else TicketSigner(), allow_clear)
+    if signer is None:
+        signer = TicketSigner(scope=fence.store.ticket_scope)
+    tools = _FenceTools(fence, signer, allow_clear)
 
     @asynccontextmanager
     async def lifespan(app: MCPServer[None]) -> AsyncIterator[None]:
@@ -499,6 +513,7 @@ def build_server(
             # not idempotent: a repeat after the lease lapsed takes the intent over
             _annotations("Prepare a side effect"),
             tools.prepare,
+            on_invalid=lambda: fence.count_refused_prepare("invalid_request"),
         ),
         _tool(
             "fence_commit",
@@ -595,9 +610,14 @@ def _env_flag(name: str) -> bool:
 
 
 def _store_label(url: str) -> str:
-    """Name a store URL without its credentials (a DSN may carry a password)."""
-    scheme, sep, _ = url.partition("://")
-    return f"{scheme}://..." if sep else url.split(":", 1)[0]
+    """Name a store URL without its credentials (a DSN may carry a password, as a URL or
+    as ``key=value`` words): only a leading scheme-like word is ever shown."""
+    match = re.match(r"[A-Za-z][A-Za-z0-9+.-]{0,31}", url)
+    word = match.group(0) if match else ""
+    rest = url[len(word) :]
+    if not word or not (rest == "" or rest.startswith(":")):
+        return "<unsupported store>"
+    return f"{word}://..." if rest.startswith("://") else word
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -639,12 +659,12 @@ def main(argv: list[str] | None = None) -> int:
             "today (use --store memory, or leave it out)"
         )
     try:
-        config = FenceConfig(lease_ttl=args.lease_ttl, result_ttl=args.result_ttl)
-        signer = TicketSigner()
+        fence = EffectFence(FenceConfig(lease_ttl=args.lease_ttl, result_ttl=args.result_ttl))
+        signer = TicketSigner(scope=fence.store.ticket_scope)
     except ValueError as exc:
         hint = f" (check {TICKET_KEY_ENV})" if "key" in str(exc) else ""
         parser.error(f"{exc}{hint}")
-    server = build_server(EffectFence(config), allow_clear=args.allow_clear, signer=signer)
+    server = build_server(fence, allow_clear=args.allow_clear, signer=signer)
     try:
         server.run("stdio")
     except KeyboardInterrupt:

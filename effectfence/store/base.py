@@ -107,6 +107,9 @@ class FenceStore(ABC):
     name: str = "store"
     #: which counter table backs the domain sequences ("atomic", "pure", "sql", ...)
     counters_backend: str = "n/a"
+    #: what a wire ticket is bound to: tickets of one scope are never honoured by another.
+    #: A shared durable store uses a stable identity of its database; memory is per object.
+    ticket_scope: str = ""
 
     def fingerprint_of(self, payload: bytes) -> bytes:
         """What the store keeps to recognise "the same payload": by default its SHA-256.

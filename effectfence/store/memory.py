@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -64,6 +65,7 @@ class MemoryStore(FenceStore):
         if not granularity > 0:
             raise ValueError("granularity must be > 0")
         self._clock = clock
+        self.ticket_scope = f"memory:{secrets.token_hex(16)}"
         self._seqs = counters if counters is not None else new_table()
         self.counters_backend = self._seqs.backend
         # fencing tokens: one monotonic counter for the whole process, so a ticket from one

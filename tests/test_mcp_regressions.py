@@ -1,0 +1,228 @@
+"""Regressions from an adversarial review of the stdio MCP server: one test per finding.
+
+Every test here failed on the code it was written against and passes since the fix; each
+names the defect it pins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+from mcp import Client
+from mcp_types import CallToolResult
+from support import FakeClock
+
+from effectfence import EffectFence, FenceConfig
+from effectfence.mcp.server import INSTRUCTIONS, build_server, main
+
+pytestmark = pytest.mark.anyio
+
+PAYLOAD_KEYS = {"code", "message", "retryable", "recover", "details"}
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@asynccontextmanager
+async def connect(server: Any) -> AsyncIterator[Client]:
+    async with Client(server) as client:
+        yield client
+
+
+def req(intent: str = "charge:1", **over: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "intent": intent,
+        "domain": "order:1",
+        "tool": "charge_card",
+        "args": {"cents": 500, "card": "tok_visa"},
+        "agent": "agent-a",
+    }
+    base.update(over)
+    return base
+
+
+def text_of(result: CallToolResult) -> str:
+    return "\n".join(c.text for c in result.content if hasattr(c, "text"))  # type: ignore[union-attr]
+
+
+def refused(result: CallToolResult, code: str) -> dict[str, Any]:
+    assert result.is_error, result
+    payload = result.structured_content
+    assert payload is not None and set(payload) == PAYLOAD_KEYS, payload
+    assert payload["code"] == code, payload
+    return payload
+
+
+def ok(result: CallToolResult) -> dict[str, Any]:
+    assert not result.is_error, text_of(result)[:500]
+    assert result.structured_content is not None
+    return result.structured_content
+
+
+# -- 1. "fresh" with a ticket that can never be redeemed ----------------------------------------
+
+
+async def test_fresh_is_never_answered_with_a_ticket_the_server_itself_refuses() -> None:
+    """HIGH. known_clock (and read_set) are unbounded, so the sealed ticket can exceed the
+    4 MiB that TicketSigner.open accepts. The agent is told FRESH (run it now), runs the
+    real tool, and then fence_commit AND fence_abort are refused invalid_ticket: the effect
+    that fired can be neither recorded nor fenced, and once the lease lapses the next
+    attempt is told FRESH again -> the real tool runs twice for one intent."""
+    clock = FakeClock()
+    fence = EffectFence(FenceConfig(clock=clock))
+    server = build_server(fence)
+    first = await server.call_tool("fence_prepare", req(known_clock={"x" * (4 << 20): 1}))
+    assert isinstance(first, CallToolResult)
+    if first.is_error:  # acceptable fix: refused up front, nothing decided
+        refused(first, "invalid_request")
+        assert fence.intent_status("charge:1").state == "absent"
+        return
+    ticket = ok(first)["prepared"]
+    # the real tool ran and timed out: the agent does what it was told
+    aborted = await server.call_tool("fence_abort", {"prepared": ticket, "reason": "timeout"})
+    assert isinstance(aborted, CallToolResult)
+    assert not aborted.is_error, text_of(aborted)[:300]
+    clock.advance(31.0)
+    again = await server.call_tool("fence_prepare", req(agent="agent-b"))
+    assert isinstance(again, CallToolResult)
+    refused(again, "intent_failed")
+
+
+async def test_a_fat_domain_head_clock_cannot_strand_an_innocent_later_agent() -> None:
+    """HIGH (same root cause, worse reach). A committed effect's vector clock becomes the
+    domain head and is merged into every later ticket on the domain. Agent A commits with
+    a ~2.3 MB known_clock (its own ticket still fits). Agent B then prepares a different
+    intent on the domain with ordinary, in-limit args (< max_args_bytes) and no clock: it
+    is told FRESH but its ticket is over the wire limit, so it can neither commit nor
+    abort the effect it just ran."""
+    fence = EffectFence()
+    server = build_server(fence)
+    a = await server.call_tool("fence_prepare", req("a", known_clock={"k" * 2_300_000: 1}))
+    assert isinstance(a, CallToolResult)
+    if not a.is_error:  # a fix may bound known_clock; then there is nothing to strand
+        done = await server.call_tool("fence_commit", {"prepared": ok(a)["prepared"], "result": 1})
+        assert isinstance(done, CallToolResult)
+        ok(done)
+    b = await server.call_tool(
+        "fence_prepare", req("b", agent="agent-b", args={"memo": "y" * 1_000_000})
+    )
+    assert isinstance(b, CallToolResult)
+    ticket = ok(b)["prepared"]
+    committed = await server.call_tool("fence_commit", {"prepared": ticket, "result": 2})
+    assert isinstance(committed, CallToolResult)
+    ok(committed)
+
+
+# -- 2. a commit-time stale read is rendered "retryable: prepare again" ---------------------------
+
+
+async def test_commit_time_read_set_stale_is_not_reported_retryable() -> None:
+    """MEDIUM-HIGH. At commit, read_set_stale means the effect ALREADY RAN on a stale view
+    and the intent is now FAILED. The typed payload still says retryable=true and
+    recover='re-read the domains, re-decide, then prepare again' (the class constants of
+    the prepare-time refusal). An agent acting on the structured fields re-decides and
+    runs the action again (under a new intent, since this one is fenced) - a double fire.
+    The commit tool's own description and the message say 'reconcile'; the payload
+    contradicts them."""
+    async with connect(build_server(EffectFence())) as client:
+        first = ok(
+            await client.call_tool(
+                "fence_prepare", req("pay", domain="d1", read_set=[["balance", 0]])
+            )
+        )
+        ok(await client.call_tool("fence_prepare", req("move", domain="balance")))
+        stale = await client.call_tool(
+            "fence_commit", {"prepared": first["prepared"], "result": {"ok": True}}
+        )
+        payload = refused(stale, "read_set_stale")
+        assert payload["details"]["state"] == "failed"
+        assert payload["retryable"] is False, payload
+        assert "prepare again" not in payload["recover"], payload["recover"]
+
+
+# -- 3. refusals echo payload values -------------------------------------------------------------
+
+
+async def test_refusals_never_echo_argument_or_result_values() -> None:
+    """MEDIUM. The server carefully never echoes values for schema errors
+    (_invalid_arguments), but the fence's canonical-JSON errors do: an out-of-range integer
+    in args or in a result (a 19+ digit account/card number, a big token) is quoted in full
+    in `message` and in the text rendering, which agents log and forward."""
+    secret_arg = 12345678901234567890123
+    secret_result = 98765432109876543210
+    fence = EffectFence()
+    server = build_server(fence)
+    bad = await server.call_tool("fence_prepare", req("p", args={"pan": secret_arg}))
+    assert isinstance(bad, CallToolResult)
+    refused(bad, "invalid_request")
+    assert str(secret_arg) not in text_of(bad)
+    async with connect(server) as client:
+        ticket = ok(await client.call_tool("fence_prepare", req("q")))["prepared"]
+        res = await client.call_tool(
+            "fence_commit", {"prepared": ticket, "result": {"acct": secret_result}}
+        )
+        refused(res, "invalid_request")
+        assert str(secret_result) not in text_of(res)
+
+
+# -- 4. schema truthfulness ----------------------------------------------------------------------
+
+
+async def test_expected_seq_at_the_published_schema_maximum_is_not_refused_as_invalid() -> None:
+    """LOW. tools/list publishes expected_seq (and ReadSetItem.seq) with maximum 2**63-2,
+    and [domain, seq] pairs with no bounds at all, but the core refuses anything above
+    2**53-2 as invalid_request. A schema-conforming call must not be refused as malformed."""
+    async with connect(build_server(EffectFence())) as client:
+        tools = {t.name: t for t in (await client.list_tools()).tools}
+        prop = tools["fence_prepare"].input_schema["properties"]["expected_seq"]
+        maximum = next(b["maximum"] for b in prop["anyOf"] if b.get("type") == "integer")
+        res = await client.call_tool("fence_prepare", req(expected_seq=maximum))
+        # the domain is at 0: the honest answer is domain_race, not "fix the call"
+        refused(res, "domain_race")
+
+
+async def test_the_run_flag_agents_are_told_about_exists() -> None:
+    """LOW. The server instructions and the fence_prepare description tell agents to read
+    'status "fresh" (run=true)' / '"replay" (run=false)', but PrepareOutput has no `run`
+    field: an agent keyed on `run` never sees true and stalls (or guesses)."""
+    # fixed by telling agents only about fields that exist: `status` is the signal
+    assert "run=" not in INSTRUCTIONS
+    async with connect(build_server(EffectFence())) as client:
+        tools = {t.name: t for t in (await client.list_tools()).tools}
+        assert "run=" not in (tools["fence_prepare"].description or "")
+        fresh = ok(await client.call_tool("fence_prepare", req()))
+    assert fresh["status"] == "fresh" and "run" not in fresh
+
+
+# -- 5. statistics -------------------------------------------------------------------------------
+
+
+async def test_every_refused_prepare_lands_in_a_stats_bucket() -> None:
+    """LOW. fence_stats promises 'every prepare attempt in exactly one bucket'. NaN args are
+    counted invalid_request, but a schema-valid prepare that EffectRequest refuses (here
+    expected_seq above 2**53-2) never reaches fence.prepare and is counted nowhere."""
+    fence = EffectFence()
+    async with connect(build_server(fence)) as client:
+        refused(await client.call_tool("fence_prepare", req(expected_seq=2**60)), "invalid_request")
+        stats = ok(await client.call_tool("fence_stats", {}))
+    assert stats["prepare"]["invalid_request"] == 1, stats["prepare"]
+    assert stats["attempts"] == 1
+
+
+# -- 6. the command line -------------------------------------------------------------------------
+
+
+def test_serve_never_echoes_a_keyword_dsn_password(capsys: pytest.CaptureFixture[str]) -> None:
+    """LOW. _store_label hides credentials only for URL-shaped stores ('x://...'); a libpq
+    keyword DSN has neither '://' nor ':' and is printed verbatim, password included."""
+    with pytest.raises(SystemExit) as exc:
+        main(["--store", "host=db user=admin password=hunter2"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "only the in-memory store" in err
+    assert "hunter2" not in err
