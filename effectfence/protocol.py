@@ -262,7 +262,8 @@ def prepare_refusal(
             state=row.value,
             holder=record.agent,
             reason=record.reason,
-            since=record.since,
+            # relative: ``since`` is on the store's clock, meaningless to a caller
+            failed_for=max(0.0, now - record.since),
         )
     raise AssertionError(f"{action!r} is not a refusal")
 

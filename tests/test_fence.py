@@ -543,3 +543,14 @@ def test_every_attempt_in_exactly_one_bucket(fence: EffectFence, clock: FakeCloc
     assert p["admitted"] == 1 and p["replayed"] == 1 and p["intent_in_flight"] == 3
     assert p["intent_conflict"] == 1 and p["domain_race"] == 1
     assert s["attempts"] == 7 and s["commits"] == 1
+
+
+def test_failed_refusal_says_how_long_ago_not_a_clock_reading(
+    fence: EffectFence, clock: FakeClock
+) -> None:
+    fence.abort(fresh(fence), "unknown")
+    clock.advance(42.0)
+    with pytest.raises(IntentFailed) as ei:
+        fence.prepare(req())
+    assert ei.value.details["failed_for"] == pytest.approx(42.0)
+    assert "since" not in ei.value.details
