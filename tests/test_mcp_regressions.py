@@ -6,12 +6,10 @@ names the defect it pins.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
-from mcp import Client
+from mcp_support import PAYLOAD_KEYS, connect, req
 from mcp_types import CallToolResult
 from support import FakeClock
 
@@ -20,30 +18,10 @@ from effectfence.mcp.server import INSTRUCTIONS, build_server, main
 
 pytestmark = pytest.mark.anyio
 
-PAYLOAD_KEYS = {"code", "message", "retryable", "recover", "details"}
-
 
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-@asynccontextmanager
-async def connect(server: Any) -> AsyncIterator[Client]:
-    async with Client(server) as client:
-        yield client
-
-
-def req(intent: str = "charge:1", **over: Any) -> dict[str, Any]:
-    base: dict[str, Any] = {
-        "intent": intent,
-        "domain": "order:1",
-        "tool": "charge_card",
-        "args": {"cents": 500, "card": "tok_visa"},
-        "agent": "agent-a",
-    }
-    base.update(over)
-    return base
 
 
 def text_of(result: CallToolResult) -> str:

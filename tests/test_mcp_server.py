@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
 import pytest
 from mcp import Client
+from mcp_support import PAYLOAD_KEYS, connect, req
 from mcp_types import CallToolResult
 from support import FakeClock
 
@@ -34,31 +33,12 @@ TOOLS = {
     "fence_stats",
     "fence_verify",
 }
-PAYLOAD_KEYS = {"code", "message", "retryable", "recover", "details"}
 EVENTS = ("commits", "aborts", "releases", "renewals", "takeovers", "clears")
 
 
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-@asynccontextmanager
-async def connect(server: Any) -> AsyncIterator[Client]:
-    async with Client(server) as client:
-        yield client
-
-
-def req(intent: str = "charge:1", **over: Any) -> dict[str, Any]:
-    base: dict[str, Any] = {
-        "intent": intent,
-        "domain": "order:1",
-        "tool": "charge_card",
-        "args": {"cents": 500, "card": "tok_visa"},
-        "agent": "agent-a",
-    }
-    base.update(over)
-    return base
 
 
 def snapshot(fence: EffectFence, *intents: str) -> tuple[Any, ...]:
