@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 REQUIRE_ENV = "EFFECTFENCE_REQUIRE_EXTENSION"
@@ -51,4 +51,16 @@ class OptionalBuildExt(build_ext):
 
 
 _extension_required()  # reject a bad value before doing any work
-setup(cffi_modules=["build_ffi.py:ffi"], cmdclass={"build_ext": OptionalBuildExt})
+setup(
+    cffi_modules=["build_ffi.py:ffi"],
+    # The CPython accelerator (canonical JSON, the memory fence's common paths); optional
+    # like the counters: effectfence runs the same protocol in Python without it.
+    ext_modules=[
+        Extension(
+            "effectfence._speedups",
+            sources=["csrc/effectfence_speedups.c"],
+            extra_compile_args=["-std=c11", "-O2"],
+        )
+    ],
+    cmdclass={"build_ext": OptionalBuildExt},
+)

@@ -48,6 +48,12 @@ advance_if: Final[Callable[[int, int], int]] = _lib_any.efpy_advance_if
 compare_exchange: Final[Callable[[int, int, int], int]] = _lib_any.efpy_compare_exchange
 fetch_max: Final[Callable[[int, int], int]] = _lib_any.efpy_fetch_max
 
+#: Address of ``efpy_reserve`` (C signature ``int64_t(int64_t)``): the C accelerator
+#: (effectfence._speedups) calls the counters through it, so both share this one table.
+RESERVE_ADDRESS: Final[int] = int(
+    _ffi_any.cast("uintptr_t", _ffi_any.addressof(_lib_any, "efpy_reserve"))
+)
+
 
 def gil_held() -> bool:
     """True when a call through the binding runs with the GIL held (it must, by design)."""

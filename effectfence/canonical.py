@@ -21,6 +21,8 @@ import re
 from collections.abc import Callable, Iterator
 from typing import Any, Final, cast
 
+from effectfence import _accel
+
 __all__ = [
     "MAX_SAFE_INTEGER",
     "CanonicalError",
@@ -481,6 +483,20 @@ except ImportError:  # pragma: no cover - orjson is a dependency; stay correct w
 _OJ_SORT = 0 if _orjson is None else _orjson.OPT_SORT_KEYS
 
 
+# ------------------------------------------------------------------------- C encoder
+#
+# effectfence._speedups.canonical: the whole RFC 8785 algorithm in C for exact JSON types
+# (any float, any key order, tuples as arrays), or None whenever it is not sure; then the
+# paths above decide and name the error. Proven byte-identical to the reference encoder
+# by tests/test_speedups.py.
+
+_c_canonical: Callable[[object, int], bytes | None] | None = None
+_c_string: Callable[[str], bytes | None] | None = None
+if _accel.speedups is not None:
+    _c_canonical = _accel.speedups.canonical
+    _c_string = _accel.speedups.string
+
+
 # ------------------------------------------------------------------------------ API
 
 
@@ -490,7 +506,13 @@ def canonical_bytes(value: object, *, max_depth: int = 64, max_bytes: int | None
     ``max_depth`` bounds container nesting (and so turns cycles into a clear error);
     ``max_bytes`` bounds the output size.
     """
-    data: bytes | None = None
+    data: bytes | None = None if _c_canonical is None else _c_canonical(value, max_depth)
+    if data is not None:
+        if max_bytes is not None and len(data) > max_bytes:
+            raise CanonicalError(
+                "$", f"canonical form is {len(data)} bytes, over max_bytes={max_bytes}"
+            )
+        return data
     try:
         fast = _fast_ok(value, max_depth)
         if fast and _orjson is not None:
@@ -519,6 +541,8 @@ def canonical_bytes(value: object, *, max_depth: int = 64, max_bytes: int | None
 def fast_bytes(value: object, max_depth: int) -> bytes | None:
     """The common-shape encoding alone (no exact fallback): bytes, or None for "take the
     full path". For hot callers that then fall back to :func:`canonical_bytes`."""
+    if _c_canonical is not None:
+        return _c_canonical(value, max_depth)
     if _orjson is not None and _fast_ok(value, max_depth):
         try:
             out: bytes = _orjson.dumps(value, option=_OJ_SORT)
@@ -567,6 +591,10 @@ def string_bytes(text: str) -> bytes:
     """RFC 8785 form of one ``str``: orjson's string escapes are RFC 8785's for any valid str
     (proven in tests/test_canonical.py); a lone surrogate goes to the exact path, which
     refuses it by name."""
+    if _c_string is not None:
+        data = _c_string(text)
+        if data is not None:
+            return data
     if _orjson is not None and type(text) is str:
         try:
             out: bytes = _orjson.dumps(text)

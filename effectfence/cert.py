@@ -76,7 +76,7 @@ def _hash_body(body: dict[str, Any]) -> str:
     return hashlib.sha256(canonical_bytes(body)).hexdigest()
 
 
-_FORMAT_JSON = string_bytes(CERT_FORMAT)
+_FORMAT_JSON = CERT_FORMAT_JSON = string_bytes(CERT_FORMAT)
 name_json = name_bytes  # agents, domains and tools repeat: encoded once, remembered
 
 

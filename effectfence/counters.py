@@ -498,4 +498,20 @@ def backend_info() -> dict[str, object]:
         "c_version": _atomic.VERSION if _atomic is not None else None,
         "c_abi": _atomic.ABI if _atomic is not None else None,
         "max_value": MAX_VALUE,
+        # the CPython accelerator (canonical JSON, the memory fence's common paths): on
+        # with the atomic table, off with EFFECTFENCE_COUNTERS=pure (effectfence._accel)
+        "speedups": _speedups_loaded(),
+        "speedups_off_reason": _speedups_reason(),
     }
+
+
+def _speedups_loaded() -> bool:
+    from effectfence import _accel  # imports this module: resolved at call time
+
+    return _accel.speedups is not None
+
+
+def _speedups_reason() -> str | None:
+    from effectfence import _accel
+
+    return _accel.import_error

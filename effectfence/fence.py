@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from effectfence import _accel
 from effectfence.canonical import (
     MAX_SAFE_INTEGER,
     CanonicalError,
@@ -22,7 +23,7 @@ from effectfence.canonical import (
     fast_bytes,
     name_bytes,
 )
-from effectfence.cert import EffectCert, spliced_hash
+from effectfence.cert import CERT_FORMAT_JSON, EffectCert, spliced_hash
 from effectfence.clock import VectorClock
 from effectfence.counters import new_table
 from effectfence.errors import (
@@ -53,6 +54,13 @@ from effectfence.protocol import (
 )
 from effectfence.store.base import FenceStore
 from effectfence.store.memory import MemoryStore
+
+
+def _atomic_reserve_address() -> int:
+    from effectfence import _atomic  # present: the fence's counters are the C table
+
+    return int(_atomic.RESERVE_ADDRESS)
+
 
 __all__ = [
     "DEFAULT_LEASE_TTL",
@@ -189,6 +197,56 @@ class EffectFence:
         self._waiters: dict[str, threading.Event] = {}
         self._next_sweep = -math.inf
         self._sweep_lock = threading.Lock()
+        self._fast: Any = None
+        self._install_fast_path()
+
+    def _install_fast_path(self) -> None:
+        """Shadow prepare and commit with the C accelerator's, when it applies: the default
+        memory store on the C counter table, and methods not overridden by a subclass. The C
+        methods handle the common paths and hand everything else to the methods below."""
+        sp = _accel.speedups
+        store = self.store
+        if (
+            sp is None
+            or type(store) is not MemoryStore
+            or type(self).prepare is not EffectFence.prepare
+            or type(self).commit is not EffectFence.commit
+            or self._stats.backend != "atomic"
+        ):
+            return
+        parts = store.fast_path_parts()
+        if parts is None:
+            return
+        cfg = self.config
+        parts.update(
+            EffectRequest=EffectRequest,
+            PreparedEffect=PreparedEffect,
+            VectorClock=VectorClock,
+            Fresh=Fresh,
+            Replay=Replay,
+            EffectCert=EffectCert,
+            fence=self,
+            waiters=self._waiters,
+            wake=self._wake,
+            slow_prepare=EffectFence.prepare.__get__(self),
+            slow_commit=EffectFence.commit.__get__(self),
+            admit=self._admit,
+            auto_sweep=int(self._auto),
+            lease_ttl=self._lease_ttl,
+            result_ttl=self._result_ttl,
+            max_depth=cfg.max_depth,
+            max_args_bytes=cfg.max_args_bytes,
+            max_result_bytes=cfg.max_result_bytes,
+            reserve_address=_atomic_reserve_address(),
+            slot_admitted=self._slot_admitted,
+            slot_replayed=self._slot_replayed,
+            slot_commits=self._slot_commits,
+            sha256=hashlib.sha256,
+            format_json=CERT_FORMAT_JSON,
+        )
+        self._fast = sp.FastPath(parts)
+        self.prepare = self._fast.prepare  # type: ignore[method-assign]
+        self.commit = self._fast.commit  # type: ignore[method-assign]
 
     # -- statistics ---------------------------------------------------------------------------
     def _count(self, bucket: str) -> None:

@@ -156,13 +156,17 @@ def _install(
 
 
 def _backend(py: Path, cwd: Path) -> str:
+    """The installed counter backend; also checks that the C accelerator came with the
+    atomic table (built and used by a default fence) or stayed away with the pure one."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("EFFECTFENCE_")}
     r = subprocess.run(
         [
             str(py),
             "-c",
             "import effectfence.counters as c; t = c.new_table(); t.reserve('x');"
-            "print(c.BACKEND, c.__file__)",
+            "import effectfence as e; from effectfence import _accel as a; f = e.EffectFence();"
+            "adm = f.request('i', 'd', 't', {'a': 1.5}); assert f.commit(adm.ticket, 2).verify();"
+            "print(c.BACKEND, a.speedups is not None, f._fast is not None, c.__file__)",
         ],
         capture_output=True,
         text=True,
@@ -170,8 +174,10 @@ def _backend(py: Path, cwd: Path) -> str:
         env=env,
     )
     assert r.returncode == 0, r.stderr
-    backend, path = r.stdout.split()
+    backend, speedups, fast, path = r.stdout.split()
     assert str(ROOT) not in path, "imported the source tree, not the install"
+    compiled = "True" if backend == "atomic" else "False"
+    assert (speedups, fast) == (compiled, compiled), r.stdout
     return backend
 
 

@@ -350,6 +350,7 @@ def test_fast_path_would_be_wrong_for_floats_and_non_ascii_keys(
             canonical_bytes(value)
     else:
         assert canonical_bytes(value) == expected == rfc8785.dumps(value)
+    monkeypatch.setattr(canonical, "_c_canonical", None)  # the Python routing, not the C one
     monkeypatch.setattr(canonical, "_fast_ok", lambda v, d: True)
     monkeypatch.setattr(canonical, "_orjson", None)  # the stdlib encoder's mistakes
     if expected is None:
@@ -525,7 +526,8 @@ def test_name_bytes_is_string_bytes_and_stays_bounded() -> None:
     assert len(canonical._STRINGS) <= 4096
 
 
-def test_fast_bytes_answers_only_for_the_common_shape() -> None:
+def test_fast_bytes_answers_only_for_the_common_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(canonical, "_c_canonical", None)  # the Python fast path
     assert (
         canonical.fast_bytes({"b": 1, "a": [True, None, "x"]}, 8) == b'{"a":[true,null,"x"],"b":1}'
     )

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from effectfence.counters import CounterTable, new_table
+from effectfence.counters import AtomicCounterTable, CounterTable, new_table
 from effectfence.errors import IntentInFlight
 from effectfence.protocol import IntentRecord, Row, State, observe
 from effectfence.store.base import EMPTY_HEAD, ClaimResult, CommitResult, FenceStore, Head
@@ -147,6 +147,36 @@ class MemoryStore(FenceStore):
             if actual != s:
                 return (d, s, actual)
         return None
+
+    def fast_path_parts(self) -> dict[str, Any] | None:
+        """What the C fast path (``effectfence._speedups.FastPath``) works on: this store's
+        own structures, under its own stripe locks, so the fast path is one more writer of
+        them, never a copy. None when the counters are not the C table it calls directly."""
+        seqs, tokens = self._seqs, self._tokens
+        if AtomicCounterTable is None or not (
+            type(seqs) is AtomicCounterTable and type(tokens) is AtomicCounterTable
+        ):
+            return None
+        return {
+            "records": self._records,
+            "locks": self._locks,
+            "inflight": self._inflight,
+            "mask": self._mask,
+            "heads": self._heads,
+            "heads_lock": self._heads_lock,
+            "wheel": self._wheel,
+            "granularity": self._g,
+            "store_schedule": self._schedule,
+            "seq_slots": seqs._slots,  # type: ignore[attr-defined]
+            "seqs_reserve": seqs.reserve,
+            "clock": self._clock,
+            "token_slot": self._token_slot,
+            "IN_FLIGHT": State.IN_FLIGHT,
+            "DONE": State.DONE,
+            "EMPTY_HEAD": EMPTY_HEAD,
+            "IntentRecord": IntentRecord,
+            "Head": Head,
+        }
 
     # -- contract ---------------------------------------------------------------------------
     def get(self, intent: str) -> IntentRecord | None:

@@ -310,16 +310,98 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         "replays hand out one shared result object that a caller can edit",
     ),
+    # -- the C accelerator's guards (the tree's extension is rebuilt from the mutated C) ---------
+    Mutant(
+        "c-commit-without-token-check",
+        "G2",
+        "csrc/effectfence_speedups.c",
+        "    return PyObject_RichCompareBool(current, token, Py_EQ);\n",
+        "    return 1;\n",
+        ("tests/test_fence.py::test_g2_takeover_makes_old_ticket_powerless[memory-atomic]",),
+        "the C commit takes any in-flight record as its own, whatever the token",
+    ),
+    Mutant(
+        "c-replay-without-payload-check",
+        "G4",
+        "csrc/effectfence_speedups.c",
+        "    if (bytes_equal(fp, payload) != 1) {\n",
+        "    if (0) {\n",
+        ("tests/test_fence.py::test_g4_changed_payload_conflicts_done[memory-atomic-changed0]",),
+        "the C prepare replays a certificate to a request with another payload",
+    ),
+    Mutant(
+        "c-replay-after-expiry",
+        "G8",
+        "csrc/effectfence_speedups.c",
+        "    if (!(now < PyFloat_AS_DOUBLE(until))) {\n",
+        "    if (0) {\n",
+        ("tests/test_fence.py::test_g1_record_retained_until_result_ttl[memory-atomic]",),
+        "the C prepare replays a result past its result_ttl",
+    ),
+    Mutant(
+        "c-claim-without-recheck",
+        "G1",
+        "csrc/effectfence_speedups.c",
+        "    rec = PyDict_GetItemWithError(self->records, intent);\n"
+        "    if (rec != NULL || PyErr_Occurred()) {\n",
+        "    rec = NULL;\n    if (PyErr_Occurred()) {\n",
+        (
+            "tests/test_speedups.py::"
+            "test_claim_rechecks_under_the_lock_when_another_claim_gets_in_first",
+        ),
+        "the C claim trusts its unlocked read: a claim that got in first is overwritten",
+    ),
+    Mutant(
+        "c-commit-without-recheck",
+        "G2",
+        "csrc/effectfence_speedups.c",
+        "    int ok = cur != NULL && holds_lease(self, cur, token) == 1 &&\n",
+        "    int ok = cur != NULL &&\n",
+        ("tests/test_speedups.py::test_commit_rechecks_under_the_lock_when_the_lease_moves_first",),
+        "the C commit trusts its unlocked check: an abort that got in first is overwritten",
+    ),
+    Mutant(
+        "c-commit-ignores-read-set",
+        "G6",
+        "csrc/effectfence_speedups.c",
+        "        !PyTuple_CheckExact(tk[TK_READ_SET]) || PyTuple_GET_SIZE(tk[TK_READ_SET]) ||\n",
+        "        !PyTuple_CheckExact(tk[TK_READ_SET]) ||\n",
+        ("tests/test_fence.py::test_g6_read_set_moving_during_effect_fails_commit[memory-atomic]",),
+        "the C commit takes tickets with a read set and never re-validates it",
+    ),
 )
 
 
 def copy_tree(dest: Path) -> Path:
-    """The package (with its compiled extension), the tests and the pytest configuration."""
+    """The package (with its compiled extension), the tests, the C sources and the pytest
+    configuration."""
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.o", ".hypothesis")
     shutil.copytree(ROOT / PKG, dest / PKG, ignore=ignore)
     shutil.copytree(ROOT / "tests", dest / "tests", ignore=ignore)
+    shutil.copytree(ROOT / "csrc", dest / "csrc", ignore=ignore)
     shutil.copy2(ROOT / "pyproject.toml", dest / "pyproject.toml")
     return dest
+
+
+_BUILD_SPEEDUPS = (
+    "from setuptools import Extension, setup\n"
+    "setup(name='mutant', script_args=['-q', 'build_ext', '--inplace'], ext_modules=[Extension("
+    "'effectfence._speedups', ['csrc/effectfence_speedups.c'], "
+    "extra_compile_args=['-std=c11', '-O2'])])\n"
+)
+
+
+def rebuild_speedups(tree: Path) -> None:
+    """Compile the tree's (mutated) accelerator over the copied one, as setup.py would."""
+    subprocess.run(
+        [sys.executable, "-c", _BUILD_SPEEDUPS],
+        cwd=tree,
+        env=_env(tree),
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
 
 
 def apply(mutant: Mutant, tree: Path) -> None:
@@ -400,8 +482,12 @@ def run_mutant(mutant: Mutant) -> tuple[Mutant, Outcome]:
         tree = copy_tree(Path(tmp))
         try:
             apply(mutant, tree)
+            if mutant.file.endswith(".c"):
+                rebuild_speedups(tree)
         except AssertionError as exc:  # reported as a survivor, with the reason
             return mutant, Outcome(-1, (), str(exc))
+        except subprocess.CalledProcessError as exc:  # a mutant that does not compile
+            return mutant, Outcome(-1, (), f"rebuild failed:\n{exc.stdout}\n{exc.stderr}")
         return mutant, run_tests(tree, mutant.killers)
 
 

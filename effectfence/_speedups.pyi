@@ -1,0 +1,12 @@
+from collections.abc import Callable
+from typing import Any
+
+ABI: int
+
+def canonical(value: object, max_depth: int, /) -> bytes | None: ...
+def string(text: str, /) -> bytes | None: ...
+
+class FastPath:
+    def __init__(self, config: dict[str, Any], /) -> None: ...
+    prepare: Callable[[Any], Any]
+    commit: Callable[[Any, Any], Any]
