@@ -1612,6 +1612,119 @@ static PyTypeObject FastPathType = {
     .tp_methods = fp_methods,
 };
 
+/* ------------------------------------------------------------------------ RequestInit */
+
+/* EffectRequest.__init__ for the call every duplicate makes: 3 to 5 positional arguments,
+ * ASCII names within MAX_NAME_LENGTH, args a dict or None.  Any other call (keywords, a
+ * Mapping, a name to check for surrogates, a refusal to explain) goes to the Python
+ * __init__ unchanged.  A method descriptor, so type() calls it without a bound method. */
+typedef struct {
+    PyObject_HEAD
+    Layout request;
+    PyObject *py_init;       /* the Python __init__: the definition, and every other call */
+    PyObject *default_agent; /* its default for ``agent`` */
+    PyObject *empty_tuple;
+    Py_ssize_t max_name;
+    vectorcallfunc vectorcall;
+} RequestInit;
+
+static int plain_name(PyObject *o, Py_ssize_t max_name) {
+    return PyUnicode_CheckExact(o) && PyUnicode_IS_ASCII(o) && PyUnicode_GET_LENGTH(o) > 0 &&
+           PyUnicode_GET_LENGTH(o) <= max_name;
+}
+
+static PyObject *ri_vectorcall(RequestInit *ri, PyObject *const *args, size_t nargsf,
+                               PyObject *kwnames) {
+    Py_ssize_t n = PyVectorcall_NARGS(nargsf); /* self, intent, domain, tool[, args[, agent]] */
+    if (n < 4 || n > 6 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames)) ||
+        !PyObject_TypeCheck(args[0], ri->request.type)) {
+        return PyObject_Vectorcall(ri->py_init, args, nargsf, kwnames);
+    }
+    PyObject *self = args[0];
+    PyObject *a = n > 4 ? args[4] : Py_None;
+    PyObject *agent = n > 5 ? args[5] : ri->default_agent;
+    if (!plain_name(args[1], ri->max_name) || !plain_name(args[2], ri->max_name) ||
+        !plain_name(args[3], ri->max_name) || !plain_name(agent, ri->max_name) ||
+        !(a == Py_None || PyDict_CheckExact(a))) {
+        return PyObject_Vectorcall(ri->py_init, args, nargsf, kwnames);
+    }
+    PyObject *fresh_args = a == Py_None ? PyDict_New() : Py_NewRef(a);
+    if (fresh_args == NULL) {
+        return NULL;
+    }
+    PyObject *values[] = {args[1], args[2], args[3], fresh_args, agent,
+                          ri->empty_tuple, Py_None, Py_None, Py_None};
+    for (int i = 0; i < ri->request.n; i++) { /* REQUEST_FIELDS order */
+        PyObject **slot = &SLOT(self, ri->request, i);
+        PyObject *old = *slot;
+        *slot = i == RQ_ARGS ? values[i] : Py_NewRef(values[i]);
+        Py_XDECREF(old);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *ri_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    PyObject *cls, *py_init, *agent;
+    Py_ssize_t max_name;
+    if (!PyArg_ParseTuple(args, "OOUn:RequestInit", &cls, &py_init, &agent, &max_name)) {
+        return NULL;
+    }
+    RequestInit *ri = (RequestInit *)type->tp_alloc(type, 0);
+    if (ri == NULL) {
+        return NULL;
+    }
+    if (layout_init(&ri->request, cls, REQUEST_FIELDS) < 0) {
+        ri->request.type = NULL;
+        Py_DECREF(ri);
+        return NULL;
+    }
+    Py_INCREF(cls);
+    ri->py_init = Py_NewRef(py_init);
+    ri->default_agent = Py_NewRef(agent);
+    ri->empty_tuple = PyTuple_New(0);
+    ri->max_name = max_name;
+    ri->vectorcall = (vectorcallfunc)ri_vectorcall;
+    if (ri->empty_tuple == NULL) {
+        Py_DECREF(ri);
+        return NULL;
+    }
+    return (PyObject *)ri;
+}
+
+static void ri_dealloc(RequestInit *ri) {
+    Py_XDECREF(ri->request.type);
+    Py_XDECREF(ri->py_init);
+    Py_XDECREF(ri->default_agent);
+    Py_XDECREF(ri->empty_tuple);
+    Py_TYPE(ri)->tp_free((PyObject *)ri);
+}
+
+static PyObject *ri_get(PyObject *self, PyObject *obj, PyObject *type) {
+    if (obj == NULL || obj == Py_None) {
+        return Py_NewRef(self);
+    }
+    return PyMethod_New(self, obj);
+}
+
+static PyMemberDef ri_members[] = {
+    /* inspect.signature() and help() follow __wrapped__ to the Python definition */
+    {"__wrapped__", T_OBJECT, offsetof(RequestInit, py_init), READONLY, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject RequestInitType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "effectfence._speedups.RequestInit",
+    .tp_basicsize = sizeof(RequestInit),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR,
+    .tp_doc = "EffectRequest.__init__ with the common positional call in C.",
+    .tp_new = ri_new,
+    .tp_dealloc = (destructor)ri_dealloc,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(RequestInit, vectorcall),
+    .tp_descr_get = ri_get,
+    .tp_members = ri_members,
+};
+
 /* ------------------------------------------------------------------------------- module */
 
 static PyMethodDef module_methods[] = {
@@ -1636,7 +1749,7 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     if (s_acquire == NULL || s_release == NULL || s_hexdigest == NULL || s_next_sweep == NULL) {
         return NULL;
     }
-    if (PyType_Ready(&FastPathType) < 0) {
+    if (PyType_Ready(&FastPathType) < 0 || PyType_Ready(&RequestInitType) < 0) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&module_def);
@@ -1644,7 +1757,8 @@ PyMODINIT_FUNC PyInit__speedups(void) {
         return NULL;
     }
     if (PyModule_AddIntConstant(m, "ABI", EF_SPEEDUPS_ABI) < 0 ||
-        PyModule_AddObjectRef(m, "FastPath", (PyObject *)&FastPathType) < 0) {
+        PyModule_AddObjectRef(m, "FastPath", (PyObject *)&FastPathType) < 0 ||
+        PyModule_AddObjectRef(m, "RequestInit", (PyObject *)&RequestInitType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -10,3 +10,10 @@ class FastPath:
     def __init__(self, config: dict[str, Any], /) -> None: ...
     prepare: Callable[[Any], Any]
     commit: Callable[[Any, Any], Any]
+
+class RequestInit:
+    def __init__(
+        self, cls: type, py_init: Callable[..., None], default_agent: str, max_name: int, /
+    ) -> None: ...
+    def __call__(self, *args: Any, **kwargs: Any) -> None: ...
+    __wrapped__: Callable[..., None]

@@ -463,3 +463,50 @@ def test_records_and_certificates_stay_out_of_the_cycle_collector() -> None:
     del fence, adm, rec
     gc.collect()
     assert ref() is None
+
+
+# ---------------------------------------------------------------------- EffectRequest init
+
+_names = st.one_of(
+    st.text(max_size=6),
+    st.sampled_from(["", "x" * 512, "x" * 513, "caf\u00e9", "a\ud800", "\U0001f600"]),
+    st.sampled_from([None, 5, b"bytes"]),
+)
+_req_args = st.sampled_from([None, {}, {"a": 1}, [("a", 1)], "text", 7])
+
+
+def _built(init: Callable[..., None], call: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    obj = EffectRequest.__new__(EffectRequest)
+    try:
+        init(obj, *call, **kw)
+    except InvalidRequest as exc:
+        return ("refused", str(exc))
+    return ("built", *(getattr(obj, f) for f in EffectRequest.__slots__))
+
+
+@needs_c
+@settings(max_examples=500)
+@given(
+    st.tuples(_names, _names, _names),
+    st.lists(st.one_of(_req_args, _names), max_size=2),
+    st.sampled_from([{}, {"expected_seq": 3}, {"parent": "p"}]),
+)
+def test_request_init_in_c_builds_or_refuses_exactly_as_the_python_init(
+    names: tuple[Any, ...], rest: list[Any], kw: dict[str, Any]
+) -> None:
+    call = (*names, *rest)
+    fast = EffectRequest.__init__
+    assert type(fast) is sp.RequestInit
+    assert _built(fast, call, kw) == _built(fast.__wrapped__, call, kw)
+
+
+@needs_c
+@pytest.mark.parametrize(
+    "call",
+    [("", "d", "t"), ("i", "d", "x" * 513), ("i", "d", "t", {}, ""), ("i", "d", "t", [1])],
+)
+def test_request_init_in_c_refuses_what_python_refuses(call: tuple[Any, ...]) -> None:
+    with pytest.raises(InvalidRequest):
+        EffectRequest(*call)
+    req = EffectRequest("i", "d", "t")
+    assert (req.args, req.agent, req.read_set, req.parent) == ({}, "anonymous", (), None)

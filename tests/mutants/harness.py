@@ -369,6 +369,16 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_fence.py::test_g6_read_set_moving_during_effect_fails_commit[memory-atomic]",),
         "the C commit takes tickets with a read set and never re-validates it",
     ),
+    Mutant(
+        "c-request-skips-name-checks",
+        "G7",
+        "csrc/effectfence_speedups.c",
+        "    return PyUnicode_CheckExact(o) && PyUnicode_IS_ASCII(o) && "
+        "PyUnicode_GET_LENGTH(o) > 0 &&\n",
+        "    return PyUnicode_CheckExact(o) && PyUnicode_IS_ASCII(o) &&\n",
+        ("tests/test_speedups.py::test_request_init_in_c_refuses_what_python_refuses[call0]",),
+        "the C request constructor accepts an empty name the Python one refuses",
+    ),
 )
 
 
