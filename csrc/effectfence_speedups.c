@@ -625,7 +625,7 @@ typedef int64_t (*reserve_fn)(int64_t);
     X(records) X(locks) X(inflight) X(heads) X(heads_lock) X(wheel) X(seq_slots)         \
     X(store_schedule) X(seqs_reserve) X(clock_fn)                                        \
     /* the fence */                                                                      \
-    X(fence) X(waiters) X(wake) X(slow_prepare) X(slow_commit) X(admit)                  \
+    X(fence) X(waiters) X(wake) X(slow_prepare) X(slow_prepare_payload) X(slow_commit) X(admit)                  \
     /* constants */                                                                      \
     X(in_flight) X(done) X(empty_head) X(empty_tuple) X(zero) X(empty_str) X(false_)     \
     X(sha256) X(format_json)
@@ -752,6 +752,7 @@ static PyObject *fp_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         get_item(cfg, "waiters", &self->waiters) < 0 ||
         get_item(cfg, "wake", &self->wake) < 0 ||
         get_item(cfg, "slow_prepare", &self->slow_prepare) < 0 ||
+        get_item(cfg, "slow_prepare_payload", &self->slow_prepare_payload) < 0 ||
         get_item(cfg, "slow_commit", &self->slow_commit) < 0 ||
         get_item(cfg, "admit", &self->admit) < 0 ||
         get_ssize(cfg, "auto_sweep", &auto_sweep) < 0 ||
@@ -972,6 +973,13 @@ static PyObject *fall_back_prepare(FastPath *self, PyObject *request) {
     return PyObject_CallOneArg(self->slow_prepare, request);
 }
 
+/* The same, once the payload is built (it equals the Python encoder's: proven by tests). */
+static PyObject *fall_back_with_payload(FastPath *self, PyObject *request, PyObject *payload,
+                                        PyObject *args_json) {
+    return PyObject_CallFunctionObjArgs(self->slow_prepare_payload, request, payload, args_json,
+                                        NULL);
+}
+
 /* dict(head.clock), merged with the caller's known clock, ticked at the agent. */
 static PyObject *ticket_clock(FastPath *self, PyObject *head, PyObject *known, PyObject *agent) {
     PyObject *head_clock = SLOT(head, self->head, HD_CLOCK);
@@ -1100,7 +1108,7 @@ static PyObject *fp_prepare(FastPath *self, PyObject *request) {
             goto out;
         }
         if (now >= next) {
-            result = fall_back_prepare(self, request); /* the Python path sweeps */
+            result = fall_back_with_payload(self, request, payload, args_json); /* the Python path sweeps */
             goto out;
         }
     }
@@ -1117,7 +1125,7 @@ static PyObject *fp_prepare(FastPath *self, PyObject *request) {
             }
             goto out;
         }
-        result = fall_back_prepare(self, request); /* every refusal and takeover */
+        result = fall_back_with_payload(self, request, payload, args_json); /* every refusal and takeover */
         goto out;
     }
     if (PyErr_Occurred()) {
@@ -1138,7 +1146,7 @@ static PyObject *fp_prepare(FastPath *self, PyObject *request) {
     if (rec != NULL || PyErr_Occurred()) {
         lock_release(lock);
         if (!PyErr_Occurred()) {
-            result = fall_back_prepare(self, request); /* someone claimed meanwhile */
+            result = fall_back_with_payload(self, request, payload, args_json); /* someone claimed meanwhile */
         }
         goto out;
     }

@@ -229,6 +229,7 @@ class EffectFence:
             waiters=self._waiters,
             wake=self._wake,
             slow_prepare=EffectFence.prepare.__get__(self),
+            slow_prepare_payload=self._prepare_payload,
             slow_commit=EffectFence.commit.__get__(self),
             admit=self._admit,
             auto_sweep=int(self._auto),
@@ -323,7 +324,6 @@ class EffectFence:
         if type(request) is not EffectRequest:
             self._count("invalid_request")
             raise InvalidRequest(f"prepare takes an EffectRequest, got {type(request).__name__}")
-        store = self.store
         try:
             payload, args_json = self._payload(
                 request.intent, request.args, request.domain, request.tool
@@ -331,6 +331,14 @@ class EffectFence:
         except InvalidRequest:
             self._count("invalid_request")
             raise
+        return self._prepare_payload(request, payload, args_json)
+
+    def _prepare_payload(
+        self, request: EffectRequest, payload: bytes, args_json: bytes
+    ) -> Admission:
+        """prepare, from the canonical payload on (the C fast path, having built the
+        payload, hands every case it does not decide to this)."""
+        store = self.store
         fp = payload if self._fp_is_payload else store.fingerprint_of(payload)
         intent = request.intent
         now = self._now()

@@ -180,6 +180,7 @@ _ABSENT, _FAILED = Row.ABSENT, Row.FAILED
 _IN_FLIGHT_LIVE, _IN_FLIGHT_LAPSED = Row.IN_FLIGHT_LIVE, Row.IN_FLIGHT_LAPSED
 _DONE_LIVE, _DONE_EXPIRED = Row.DONE_LIVE, Row.DONE_EXPIRED
 _ALLOW = TicketVerdict.ALLOW
+_ROW_VALUE: dict[Row, str] = {row: row.value for row in Row}
 
 
 # Rule 2. Key: (row, payload equals the recorded payload). ABSENT and DONE_EXPIRED have no
@@ -235,31 +236,32 @@ def prepare_refusal(
     action: Action, row: Row, record: IntentRecord, now: float, intent: str
 ) -> Refusal:
     """Rule 4: the typed refusal for a refusing action, naming state and holder."""
+    state = _ROW_VALUE[row]  # Enum.value is a Python descriptor: looked up once, here
     if action is Action.REFUSE_IN_FLIGHT:
         retry_after = max(0.0, record.lease_until - now)
         return IntentInFlight(
-            f"can't prepare {intent!r}: state={row.value}, held by {record.agent!r} "
+            f"can't prepare {intent!r}: state={state}, held by {record.agent!r} "
             f"(token {record.token}) for {retry_after:.3f}s more",
             intent=intent,
-            state=row.value,
+            state=state,
             token=record.token,
             holder=record.agent,
             retry_after=retry_after,
         )
     if action is Action.REFUSE_CONFLICT:
         return IntentConflict(
-            f"can't prepare {intent!r}: state={row.value} with a different payload "
+            f"can't prepare {intent!r}: state={state} with a different payload "
             "(tool, args or domain differ from the recorded attempt)",
             intent=intent,
-            state=row.value,
+            state=state,
             holder=record.agent,
         )
     if action is Action.REFUSE_FAILED:
         return IntentFailed(
-            f"can't prepare {intent!r}: state={row.value} ({record.reason}); "
+            f"can't prepare {intent!r}: state={state} ({record.reason}); "
             "the outcome is unknown until an operator clears it",
             intent=intent,
-            state=row.value,
+            state=state,
             holder=record.agent,
             reason=record.reason,
             # relative: ``since`` is on the store's clock, meaningless to a caller
