@@ -617,6 +617,8 @@ static const char *const REPLAY_FIELDS[] = {"_cert", NULL};
 /* ------------------------------------------------------------------------------ FastPath */
 
 typedef int64_t (*reserve_fn)(int64_t);
+/* OpenSSL's one-shot SHA256(data, len, out), as loaded for hashlib (effectfence._accel) */
+typedef unsigned char *(*sha256_fn)(const unsigned char *, size_t, unsigned char *);
 
 /* Every object FastPath holds, listed once: the struct, traverse and clear expand it.
  * The store's structures are shared with its Python methods, never copied. */
@@ -647,6 +649,7 @@ typedef struct {
     Py_ssize_t max_args_bytes, max_result_bytes;
     /* counters: the process's C table, by slot */
     reserve_fn reserve;
+    sha256_fn sha256_direct; /* NULL: hash through hashlib (self->sha256) */
     int64_t token_slot, slot_admitted, slot_replayed, slot_commits;
 } FastPath;
 
@@ -727,7 +730,7 @@ static PyObject *fp_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     if (self == NULL) {
         return NULL;
     }
-    Py_ssize_t reserve_addr, token_slot, sa, sr, sc, max_depth, auto_sweep;
+    Py_ssize_t reserve_addr, sha_addr, token_slot, sa, sr, sc, max_depth, auto_sweep;
     if (get_layout(cfg, "EffectRequest", &self->request, REQUEST_FIELDS) < 0 ||
         get_layout(cfg, "PreparedEffect", &self->ticket, TICKET_FIELDS) < 0 ||
         get_layout(cfg, "IntentRecord", &self->record, RECORD_FIELDS) < 0 ||
@@ -762,6 +765,7 @@ static PyObject *fp_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         get_ssize(cfg, "max_args_bytes", &self->max_args_bytes) < 0 ||
         get_ssize(cfg, "max_result_bytes", &self->max_result_bytes) < 0 ||
         get_ssize(cfg, "reserve_address", &reserve_addr) < 0 ||
+        get_ssize(cfg, "sha256_address", &sha_addr) < 0 ||
         get_ssize(cfg, "token_slot", &token_slot) < 0 ||
         get_ssize(cfg, "slot_admitted", &sa) < 0 ||
         get_ssize(cfg, "slot_replayed", &sr) < 0 ||
@@ -790,6 +794,7 @@ static PyObject *fp_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     self->auto_sweep = auto_sweep != 0;
     self->max_depth = max_depth > DEPTH_CAP ? DEPTH_CAP : (int)max_depth;
     self->reserve = (reserve_fn)(uintptr_t)reserve_addr;
+    self->sha256_direct = sha_addr ? (sha256_fn)(uintptr_t)sha_addr : NULL;
     self->token_slot = token_slot;
     self->slot_admitted = sa;
     self->slot_replayed = sr;
@@ -1364,6 +1369,22 @@ static PyObject *cert_digest(FastPath *self, PyObject *agent, PyObject *args_jso
         buf_free(&b);
         *fallback = rc == ENC_FALLBACK;
         return NULL;
+    }
+    if (self->sha256_direct != NULL) {
+        static const char hexdigits[] = "0123456789abcdef";
+        unsigned char md[32];
+        self->sha256_direct((const unsigned char *)b.p, (size_t)b.len, md);
+        buf_free(&b);
+        PyObject *hex = PyUnicode_New(64, 127);
+        if (hex == NULL) {
+            return NULL;
+        }
+        Py_UCS1 *out = PyUnicode_1BYTE_DATA(hex);
+        for (int i = 0; i < 32; i++) {
+            out[2 * i] = (Py_UCS1)hexdigits[md[i] >> 4];
+            out[2 * i + 1] = (Py_UCS1)hexdigits[md[i] & 15];
+        }
+        return hex;
     }
     PyObject *body = buf_bytes(&b);
     if (body == NULL) {

@@ -16,7 +16,7 @@ from typing import Any, Final
 
 from effectfence.counters import ENV_VAR, CounterBackendUnavailable
 
-__all__ = ["EXPECTED_ABI", "import_error", "speedups"]
+__all__ = ["EXPECTED_ABI", "import_error", "openssl_sha256_address", "speedups"]
 
 #: The ABI of csrc/effectfence_speedups.c this package was written against.
 EXPECTED_ABI: Final = 1
@@ -44,3 +44,45 @@ else:
         raise CounterBackendUnavailable(
             f"{ENV_VAR}=atomic but the C accelerator effectfence._speedups is {import_error}"
         )
+
+
+_SHA256_CHECKS = (b"", b"abc", bytes(range(256)) * 3)
+_sha256_address: int | None = None
+_sha256_looked = False
+
+
+def openssl_sha256_address() -> int:
+    """Address of OpenSSL's one-shot ``SHA256(data, len, out)`` in the libcrypto that hashlib
+    already loaded, or 0 when it can't be found or doesn't agree with hashlib.
+
+    A certificate's hash through hashlib is two Python calls and two context allocations,
+    most of a commit's cost; the C path calls the same OpenSSL routine directly instead.
+    Linux only (the loaded library is found in /proc/self/maps); elsewhere, and whenever
+    the self-check fails, the C path keeps calling hashlib.
+    """
+    global _sha256_address, _sha256_looked
+    if _sha256_looked:
+        return _sha256_address or 0
+    _sha256_looked = True
+    try:
+        import _hashlib  # noqa: F401  (loads libcrypto, if hashlib uses OpenSSL)
+        import ctypes
+        import hashlib
+
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            paths = {line.split()[-1] for line in maps if "/libcrypto" in line}
+        if len(paths) != 1:  # none, or two OpenSSLs in one process: don't guess
+            return 0
+        fn = ctypes.CDLL(paths.pop()).SHA256
+        fn.restype = ctypes.c_void_p
+        fn.argtypes = (ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p)
+        for data in _SHA256_CHECKS:
+            out = ctypes.create_string_buffer(32)
+            fn(data, len(data), out)
+            if out.raw != hashlib.sha256(data).digest():
+                return 0
+        address = ctypes.cast(fn, ctypes.c_void_p).value
+    except (ImportError, OSError, AttributeError, ValueError):
+        return 0
+    _sha256_address = address or None
+    return address or 0

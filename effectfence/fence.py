@@ -243,6 +243,7 @@ class EffectFence:
             slot_replayed=self._slot_replayed,
             slot_commits=self._slot_commits,
             sha256=hashlib.sha256,
+            sha256_address=_accel.openssl_sha256_address(),
             format_json=CERT_FORMAT_JSON,
         )
         self._fast = sp.FastPath(parts)

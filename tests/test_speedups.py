@@ -510,3 +510,23 @@ def test_request_init_in_c_refuses_what_python_refuses(call: tuple[Any, ...]) ->
         EffectRequest(*call)
     req = EffectRequest("i", "d", "t")
     assert (req.args, req.agent, req.read_set, req.parent) == ({}, "anonymous", (), None)
+
+
+@needs_c
+@pytest.mark.parametrize("route", ["openssl", "hashlib"])
+def test_certificate_hash_is_the_same_through_either_sha256_route(
+    route: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The C path hashes with OpenSSL's SHA256() directly when it can find the libcrypto
+    hashlib loaded (self-checked), else through hashlib: both give the Python path's hash."""
+    if route == "hashlib":
+        monkeypatch.setattr(_accel, "openssl_sha256_address", lambda: 0)
+    elif not _accel.openssl_sha256_address():
+        pytest.skip("no OpenSSL SHA256() in this process (not Linux, or hashlib without it)")
+    fast, _, slow, _ = _pair()
+    for i, args in enumerate([{"a": 1}, {"b": [1.5, "\u00e9", None]}, {}]):
+        certs = []
+        for fence in (fast, slow):
+            adm = fence.prepare(EffectRequest(f"h{i}", "d", "t", args, "agent"))
+            certs.append(fence.commit(adm.ticket, {"n": i, "s": "x" * i * 100}))
+        assert tuple(certs[0]) == tuple(certs[1]) and certs[0].verify()
