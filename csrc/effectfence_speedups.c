@@ -41,7 +41,9 @@
 
 #define EF_SPEEDUPS_ABI 1
 #define MAX_SAFE_INTEGER 9007199254740991LL /* 2**53 - 1 */
-#define DEPTH_CAP 512                       /* deeper input goes to the Python encoder */
+/* Deeper input goes to the Python encoder: C recursion stays under ~25 KiB of stack even on
+ * a 128 KiB thread stack (musl's default, or threading.stack_size). */
+#define DEPTH_CAP 128
 
 /* ------------------------------------------------------------------------------ buffer */
 
@@ -360,9 +362,9 @@ static int enc_dict(Buf *b, PyObject *o, int depth) {
     if (n == 0) {
         return PUT_LIT(b, "{}") < 0 ? ENC_ERR : ENC_OK;
     }
-    Member local[16];
+    Member local[8];
     Member *items = local;
-    if (n > 16) {
+    if (n > 8) {
         items = PyMem_Malloc(sizeof(Member) * (size_t)n);
         if (items == NULL) {
             PyErr_NoMemory();
@@ -629,7 +631,7 @@ typedef unsigned char *(*sha256_fn)(const unsigned char *, size_t, unsigned char
     /* the fence */                                                                      \
     X(fence) X(waiters) X(wake) X(slow_prepare) X(slow_prepare_payload) X(slow_commit) X(admit)                  \
     /* constants */                                                                      \
-    X(in_flight) X(done) X(empty_head) X(empty_tuple) X(zero) X(empty_str) X(false_)     \
+    X(in_flight) X(done) X(empty_head) X(empty_tuple) X(zero) X(zero_int) X(one) X(empty_str) X(false_)     \
     X(sha256) X(format_json)
 
 #define FP_DECLARE(name) PyObject *name;
@@ -801,9 +803,13 @@ static PyObject *fp_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     self->slot_commits = sc;
     self->empty_tuple = PyTuple_New(0);
     self->zero = PyFloat_FromDouble(0.0);
+    self->one = PyLong_FromLong(1);
+    self->zero_int = PyLong_FromLong(0);
     self->empty_str = PyUnicode_FromString("");
     self->false_ = Py_NewRef(Py_False);
-    if (self->empty_tuple == NULL || self->zero == NULL || self->empty_str == NULL) {
+    if (self->empty_tuple == NULL || self->zero == NULL || self->one == NULL ||
+        self->zero_int == NULL ||
+        self->empty_str == NULL) {
         Py_DECREF(self);
         return NULL;
     }
@@ -985,8 +991,57 @@ static PyObject *fall_back_with_payload(FastPath *self, PyObject *request, PyObj
                                         NULL);
 }
 
-/* dict(head.clock), merged with the caller's known clock, ticked at the agent. */
-static PyObject *ticket_clock(FastPath *self, PyObject *head, PyObject *known, PyObject *agent) {
+/* into[a] = n when n > into.get(a, 0): the merge of VectorClock.merge and _admit, exactly
+ * (an entry of 0 is never added).  0 or -1. */
+static int merge_max(FastPath *self, PyObject *into, PyObject *a, PyObject *n) {
+    PyObject *have = PyDict_GetItemWithError(into, a);
+    if (have == NULL && PyErr_Occurred()) {
+        return -1;
+    }
+    int gt = PyObject_RichCompareBool(n, have != NULL ? have : self->zero_int, Py_GT);
+    if (gt < 0) {
+        return -1;
+    }
+    return gt ? PyDict_SetItem(into, a, n) : 0;
+}
+
+/* 1 when every entry of a clock dict is an exact str agent with an exact int counter in
+ * [1, 2**53-1] (what VectorClock keeps and a certificate can encode), else 0.  Merging such
+ * clocks runs no Python code. */
+static int plain_clock(PyObject *clock) {
+    Py_ssize_t pos = 0;
+    PyObject *a, *n;
+    while (PyDict_Next(clock, &pos, &a, &n)) {
+        int overflow = 0;
+        long long v = PyLong_CheckExact(n) ? PyLong_AsLongLongAndOverflow(n, &overflow) : -1;
+        if (!PyUnicode_CheckExact(a) || overflow || v < 1 || v > MAX_SAFE_INTEGER) {
+            PyErr_Clear();
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* A copy of a VectorClock's counters, owned, if it is a plain clock; NULL without an
+ * exception if not (only private state gets there: the Python path decides), NULL with one
+ * on error.  Taken before any write, so nothing another thread does to the request or
+ * ticket afterwards can reach it. */
+static PyObject *clock_snapshot(FastPath *self, PyObject *vclock) {
+    PyObject *c = SLOT(vclock, self->clock, 0);
+    if (c == NULL || !PyDict_CheckExact(c)) {
+        return NULL;
+    }
+    PyObject *copy = PyDict_Copy(c);
+    if (copy != NULL && !plain_clock(copy)) {
+        Py_CLEAR(copy);
+    }
+    return copy;
+}
+
+/* dict(head.clock), merged with the known-clock snapshot (or NULL), ticked at the agent;
+ * *at_edge set when the tick went past 2**53-1 (the caller refuses, as _admit does). */
+static PyObject *ticket_clock(FastPath *self, PyObject *head, PyObject *known, PyObject *agent,
+                              int *at_edge) {
     PyObject *head_clock = SLOT(head, self->head, HD_CLOCK);
     if (head_clock == NULL || !PyDict_Check(head_clock)) {
         PyErr_SetString(PyExc_TypeError, "FastPath: a domain head without a clock");
@@ -996,42 +1051,31 @@ static PyObject *ticket_clock(FastPath *self, PyObject *head, PyObject *known, P
     if (counters == NULL) {
         return NULL;
     }
-    if (known != Py_None) {
-        PyObject *kc = SLOT(known, self->clock, 0);
-        Py_ssize_t pos = 0;
-        PyObject *a, *n;
-        while (kc != NULL && PyDict_Next(kc, &pos, &a, &n)) {
-            PyObject *have = PyDict_GetItemWithError(counters, a);
-            int gt = 1;
-            if (have == NULL && PyErr_Occurred()) {
-                goto fail;
-            }
-            if (have != NULL && (gt = PyObject_RichCompareBool(n, have, Py_GT)) < 0) {
-                goto fail;
-            }
-            if (gt && PyDict_SetItem(counters, a, n) < 0) {
-                goto fail;
-            }
+    Py_ssize_t pos = 0;
+    PyObject *a, *n;
+    while (known != NULL && PyDict_Next(known, &pos, &a, &n)) {
+        /* str keys and int values on both sides: no Python code runs in this loop */
+        if (merge_max(self, counters, a, n) < 0) {
+            goto fail;
         }
     }
-    long long tick = 1;
     PyObject *have = PyDict_GetItemWithError(counters, agent);
     if (have == NULL && PyErr_Occurred()) {
         goto fail;
     }
-    if (have != NULL) {
-        tick = PyLong_AsLongLong(have);
-        if (tick == -1 && PyErr_Occurred()) {
-            goto fail;
-        }
-        tick += 1;
-    }
-    PyObject *t = PyLong_FromLongLong(tick);
+    /* Python's + (no fixed-width overflow), as _admit's counters.get(agent, 0) + 1 */
+    PyObject *t = have == NULL ? PyLong_FromLong(1) : PyNumber_Add(have, self->one);
     if (t == NULL || PyDict_SetItem(counters, agent, t) < 0) {
         Py_XDECREF(t);
         goto fail;
     }
+    int overflow = 0;
+    long long tick = PyLong_AsLongLongAndOverflow(t, &overflow);
     Py_DECREF(t);
+    if (tick == -1 && PyErr_Occurred()) {
+        goto fail;
+    }
+    *at_edge = overflow || tick > MAX_SAFE_INTEGER;
     PyObject *values[1] = {counters};
     return acyclic(layout_new(&self->clock, values));
 fail:
@@ -1090,10 +1134,17 @@ static PyObject *fp_prepare(FastPath *self, PyObject *request) {
         Py_INCREF(owned[i]);
     }
     PyObject *payload = NULL, *args_json = NULL, *result = NULL, *rec_new = NULL, *head = NULL;
+    PyObject *known_copy = NULL;
     int rc = build_payload(self, args, domain, tool, &payload, &args_json);
     if (rc != 0) {
         if (rc > 0) {
             result = fall_back_prepare(self, request);
+        }
+        goto out;
+    }
+    if (known != Py_None && (known_copy = clock_snapshot(self, known)) == NULL) {
+        if (!PyErr_Occurred()) {
+            result = fall_back_with_payload(self, request, payload, args_json);
         }
         goto out;
     }
@@ -1240,10 +1291,14 @@ static PyObject *fp_prepare(FastPath *self, PyObject *request) {
         Py_DECREF(lease);
         goto out;
     }
+    int at_edge = 0;
+    PyObject *clock = ticket_clock(self, head, known_copy, agent, &at_edge);
     int64_t seq = PyLong_AsLongLong(seq_obj);
-    if (seq > MAX_SAFE_INTEGER || (seq == -1 && PyErr_Occurred())) {
+    if (clock != NULL && (at_edge || seq > MAX_SAFE_INTEGER || (seq == -1 && PyErr_Occurred()))) {
         PyErr_Clear();
-        /* the Python _admit releases the claim and refuses (the seq range is used up) */
+        Py_DECREF(clock);
+        /* the Python _admit releases the claim and refuses: a certificate could not record
+         * this seq or clock (fail closed, before the effect runs) */
         result = PyObject_CallFunctionObjArgs(self->admit, request, payload, args_json, seq_obj,
                                               token, lease, head, Py_False, NULL);
         Py_DECREF(seq_obj);
@@ -1251,7 +1306,6 @@ static PyObject *fp_prepare(FastPath *self, PyObject *request) {
         Py_DECREF(lease);
         goto out;
     }
-    PyObject *clock = ticket_clock(self, head, known, agent);
     PyObject *tparent = parent;
     if (parent == Py_None) {
         tparent = SLOT(head, self->head, HD_HASH);
@@ -1274,6 +1328,7 @@ static PyObject *fp_prepare(FastPath *self, PyObject *request) {
         Py_CLEAR(result);
     }
 out:
+    Py_XDECREF(known_copy);
     Py_XDECREF(head);
     Py_XDECREF(rec_new);
     Py_XDECREF(payload);
@@ -1373,7 +1428,9 @@ static PyObject *cert_digest(FastPath *self, PyObject *agent, PyObject *args_jso
     if (self->sha256_direct != NULL) {
         static const char hexdigits[] = "0123456789abcdef";
         unsigned char md[32];
-        self->sha256_direct((const unsigned char *)b.p, (size_t)b.len, md);
+        if (self->sha256_direct((const unsigned char *)b.p, (size_t)b.len, md) == NULL) {
+            goto through_hashlib; /* OpenSSL could not (no memory, no provider): md is junk */
+        }
         buf_free(&b);
         PyObject *hex = PyUnicode_New(64, 127);
         if (hex == NULL) {
@@ -1386,6 +1443,7 @@ static PyObject *cert_digest(FastPath *self, PyObject *agent, PyObject *args_jso
         }
         return hex;
     }
+through_hashlib:;
     PyObject *body = buf_bytes(&b);
     if (body == NULL) {
         return NULL;
@@ -1468,10 +1526,10 @@ static PyObject *fp_commit_owned(FastPath *self, PyObject *ticket, PyObject *res
     if (result_json == NULL) {
         return NULL;
     }
-    PyObject *vc = PyDict_Copy(SLOT(vclock, self->clock, 0));
+    PyObject *vc = clock_snapshot(self, vclock);
     if (vc == NULL) {
         Py_DECREF(result_json);
-        return NULL;
+        return PyErr_Occurred() ? NULL : fall_back_commit(self, ticket, result);
     }
     int fallback = 0;
     PyObject *digest =
@@ -1571,15 +1629,15 @@ static PyObject *fp_commit_owned(FastPath *self, PyObject *ticket, PyObject *res
             old = self->empty_head;
         }
         PyObject *old_clock = old == NULL ? NULL : SLOT(old, self->head, HD_CLOCK);
+        if (old != NULL && (old_clock == NULL || !PyDict_Check(old_clock))) {
+            old_clock = NULL;
+            PyErr_SetString(PyExc_SystemError, "FastPath: a domain head without a clock");
+        }
         PyObject *merged = old_clock == NULL ? NULL : PyDict_Copy(old_clock);
         Py_ssize_t pos = 0;
         PyObject *a, *n;
         while (merged != NULL && PyDict_Next(vc, &pos, &a, &n)) {
-            PyObject *cur_n = PyDict_GetItemWithError(merged, a);
-            int gt = 1;
-            if ((cur_n == NULL && PyErr_Occurred()) ||
-                (cur_n != NULL && (gt = PyObject_RichCompareBool(n, cur_n, Py_GT)) < 0) ||
-                (gt && PyDict_SetItem(merged, a, n) < 0)) {
+            if (merge_max(self, merged, a, n) < 0) {
                 Py_CLEAR(merged);
             }
         }

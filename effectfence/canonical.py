@@ -506,7 +506,9 @@ def canonical_bytes(value: object, *, max_depth: int = 64, max_bytes: int | None
     ``max_depth`` bounds container nesting (and so turns cycles into a clear error);
     ``max_bytes`` bounds the output size.
     """
-    data: bytes | None = None if _c_canonical is None else _c_canonical(value, max_depth)
+    data: bytes | None = None
+    if _c_canonical is not None and type(max_depth) is int:
+        data = _c_canonical(value, max_depth)
     if data is not None:
         if max_bytes is not None and len(data) > max_bytes:
             raise CanonicalError(
@@ -541,7 +543,7 @@ def canonical_bytes(value: object, *, max_depth: int = 64, max_bytes: int | None
 def fast_bytes(value: object, max_depth: int) -> bytes | None:
     """The common-shape encoding alone (no exact fallback): bytes, or None for "take the
     full path". For hot callers that then fall back to :func:`canonical_bytes`."""
-    if _c_canonical is not None:
+    if _c_canonical is not None and type(max_depth) is int:
         return _c_canonical(value, max_depth)
     if _orjson is not None and _fast_ok(value, max_depth):
         try:

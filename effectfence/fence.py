@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -54,6 +55,18 @@ from effectfence.protocol import (
 )
 from effectfence.store.base import FenceStore
 from effectfence.store.memory import MemoryStore
+
+#: What the C fast path shadows, and the methods whose behaviour it reproduces.
+_FAST_SHADOWED = ("prepare", "commit")
+_FAST_STANDS_IN = (
+    *_FAST_SHADOWED,
+    "_payload",
+    "_prepare_payload",
+    "_admit",
+    "_check_ticket",
+    "_result_json",
+    "_wake",
+)
 
 
 def _atomic_reserve_address() -> int:
@@ -204,14 +217,20 @@ class EffectFence:
         """Shadow prepare and commit with the C accelerator's, when it applies: the default
         memory store on the C counter table, and methods not overridden by a subclass. The C
         methods handle the common paths and hand everything else to the methods below."""
+        for name in _FAST_SHADOWED:  # a second __init__ must not keep an old binding
+            self.__dict__.pop(name, None)
+        self._fast = None
         sp = _accel.speedups
         store = self.store
+        cls = type(self)
         if (
             sp is None
             or type(store) is not MemoryStore
-            or type(self).prepare is not EffectFence.prepare
-            or type(self).commit is not EffectFence.commit
+            # the C path stands in for these: a subclass that overrides any of them keeps
+            # the Python paths everywhere, not only on the rows the C path hands back
+            or any(getattr(cls, m) is not getattr(EffectFence, m) for m in _FAST_STANDS_IN)
             or self._stats.backend != "atomic"
+            or type(self.config.max_depth) is not int
         ):
             return
         parts = store.fast_path_parts()
@@ -235,9 +254,10 @@ class EffectFence:
             auto_sweep=int(self._auto),
             lease_ttl=self._lease_ttl,
             result_ttl=self._result_ttl,
-            max_depth=cfg.max_depth,
-            max_args_bytes=cfg.max_args_bytes,
-            max_result_bytes=cfg.max_result_bytes,
+            # clamped to what C holds; beyond that no payload could be built anyway
+            max_depth=min(cfg.max_depth, sys.maxsize),
+            max_args_bytes=int(min(cfg.max_args_bytes, sys.maxsize)),
+            max_result_bytes=int(min(cfg.max_result_bytes, sys.maxsize)),
             reserve_address=_atomic_reserve_address(),
             slot_admitted=self._slot_admitted,
             slot_replayed=self._slot_replayed,
@@ -428,14 +448,6 @@ class EffectFence:
         head: Any,
         takeover: bool,
     ) -> Fresh:
-        if seq > MAX_SAFE_INTEGER:  # unreachable in practice (2**53 reservations); fail closed
-            self.store.release(request.intent, token)
-            self._count("invalid_request")
-            raise InvalidRequest(
-                f"domain {request.domain!r} has used up its JSON-safe seq range; "
-                "a certificate could not record this seq",
-                intent=request.intent,
-            )
         # merge(known_clock, domain head clock), ticked at the agent: built as one dict
         counters = dict(head.clock)
         known = request.known_clock
@@ -444,7 +456,22 @@ class EffectFence:
                 if n > counters.get(a, 0):
                     counters[a] = n
         agent = request.agent
-        counters[agent] = counters.get(agent, 0) + 1
+        tick = counters[agent] = counters.get(agent, 0) + 1
+        if seq > MAX_SAFE_INTEGER or tick > MAX_SAFE_INTEGER:
+            # Unreachable by honest use (2**53 reservations, or commits by one agent), but a
+            # forged known_clock can carry a domain's head to the edge. A certificate could not
+            # record this seq or clock: refuse now, before the effect runs (fail closed).
+            self.store.release(request.intent, token)
+            self._count("invalid_request")
+            what = (
+                f"domain {request.domain!r} has used up its JSON-safe seq range"
+                if seq > MAX_SAFE_INTEGER
+                else f"the vector clock of {agent!r} on {request.domain!r} is at its JSON-safe "
+                "maximum"
+            )
+            raise InvalidRequest(
+                f"{what}; a certificate could not record this attempt", intent=request.intent
+            )
         clock = VectorClock._trusted(counters)
         domain = request.domain
         ticket = PreparedEffect(

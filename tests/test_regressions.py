@@ -288,6 +288,29 @@ def test_wheel_entry_is_not_lost_when_a_sweep_takes_its_bucket(clock: FakeClock)
     assert store.size()["records"] == 0, "b's lapsed lease is never reclaimed (G8)"
 
 
+# -- 8. fail-closed: a forged known_clock carries a domain's clock to the JSON-safe edge -------
+
+
+def test_clock_at_the_edge_is_refused_at_prepare_not_after_the_effect_ran(
+    fence: EffectFence, clock: FakeClock
+) -> None:
+    """Found by review of the C accelerator (both paths had it): agent "a" may name another
+    agent's counter at 2**53-1 in its known_clock; the domain's head then carries it, and the
+    next prepare by "b" was admitted with b at 2**53: the effect runs, the certificate can't
+    encode the clock, commit is refused forever and the lapsed lease is admitted again."""
+    adm = fence.request("pay:a", "d", "t", {}, "a", known_clock={"b": MAX_SAFE_INTEGER})
+    fence.commit(adm.ticket, {"ok": True})
+    before = fence.stats()["prepare"]["invalid_request"]
+    for _ in range(2):  # and after the lease would have lapsed
+        with pytest.raises(InvalidRequest, match="JSON-safe maximum"):
+            fence.request("pay:b", "d", "t", {}, "b")
+        clock.advance(10.0)
+    assert fence.intent_status("pay:b").state == "absent"  # the claim was released
+    assert fence.stats()["prepare"]["invalid_request"] == before + 2
+    assert fence.store.in_flight("d") == 0
+    assert fence.request("pay:b", "elsewhere", "t", {}, "b").fresh  # other domains unaffected
+
+
 # -- sound: checked, and holds --------------------------------------------------------------
 
 

@@ -38,6 +38,7 @@ from effectfence import (
     _accel,
 )
 from effectfence.canonical import CanonicalError, _es6_number, _exact_bytes, canonical_bytes
+from effectfence.clock import VectorClock
 from effectfence.counters import backend_info
 from effectfence.protocol import State
 from effectfence.store.memory import MemoryStore
@@ -530,3 +531,140 @@ def test_certificate_hash_is_the_same_through_either_sha256_route(
             adm = fence.prepare(EffectRequest(f"h{i}", "d", "t", args, "agent"))
             certs.append(fence.commit(adm.ticket, {"n": i, "s": "x" * i * 100}))
         assert tuple(certs[0]) == tuple(certs[1]) and certs[0].verify()
+
+
+class _Hostile:
+    """A clock value that empties the dict being merged as soon as it is compared."""
+
+    def __init__(self, victim: dict[str, Any]) -> None:
+        self.victim = victim
+
+    def __gt__(self, other: object) -> bool:
+        self.victim.clear()
+        return True
+
+
+def _private_clocks() -> list[dict[str, Any]]:
+    hostile: dict[str, Any] = {}
+    hostile["ag"] = _Hostile(hostile)
+    return [
+        hostile,
+        {"ag": 2**70},
+        {"zz": "x", "ag": 1},
+        {"ag": -1},
+        {"ag": True},
+        {"ag": 0},
+        {"z": 0, "ag": 2},
+    ]
+
+
+@needs_c
+@pytest.mark.parametrize("i", range(7))
+def test_known_clocks_forged_through_private_state_take_the_python_path(i: int) -> None:
+    """Found by a valgrind run: a clock built with VectorClock._trusted (bypassing its checks)
+    whose value ran Python code mid-merge made the C merge read freed memory. The C path now
+    merges only a snapshot of exact str -> int in range taken before the claim, and hands any
+    other clock to the Python path: the same outcome, no memory error."""
+    outcomes = []
+    for fence in _pair()[::2]:
+        first = fence.prepare(EffectRequest("i0", "d", "t", {}, "ag"))
+        fence.commit(first.ticket, 1)  # the domain head's clock is {"ag": 1}
+        req = EffectRequest("i1", "d", "t", {}, "ag")
+        req.known_clock = VectorClock._trusted(_private_clocks()[i])
+        try:
+            adm = fence.prepare(req)
+            outcomes.append(("fresh", adm.ticket.vector_clock.to_dict(), adm.ticket.seq))
+        except Exception as exc:  # whatever Python does with it, the C path must do too
+            outcomes.append(("raised", type(exc).__name__))
+        outcomes.append(fence.stats()["prepare"])
+    assert outcomes[:2] == outcomes[2:]
+
+
+# -------------------------------------------------- defects found by review, kept fixed
+
+
+@needs_c
+def test_a_failing_openssl_sha256_falls_back_to_hashlib(monkeypatch: pytest.MonkeyPatch) -> None:
+    """OpenSSL's SHA256() returns NULL and leaves the output alone when it cannot hash (no
+    memory, no provider): the C path must not hex-encode stack bytes into a certificate."""
+    import ctypes
+
+    calls = []
+
+    @ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    def failing_sha256(data: int, n: int, out: int) -> None:
+        calls.append(n)
+        return None
+
+    address = ctypes.cast(failing_sha256, ctypes.c_void_p).value
+    monkeypatch.setattr(_accel, "openssl_sha256_address", lambda: address)
+    fence = EffectFence(FenceConfig(auto_sweep=False))
+    adm = fence.prepare(EffectRequest("sha", "d", "t", {"a": 1}))
+    cert = fence.commit(adm.ticket, {"ok": True})
+    assert calls and cert.verify()
+
+
+@needs_c
+def test_deep_input_never_recurses_deep_in_c(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review: ~320 bytes of C stack per nesting level up to 512 levels overflowed
+    a 128 KiB thread stack. Deeper than 128 levels now goes to the Python encoder."""
+    deep: Any = 1
+    for _ in range(128):
+        deep = [deep]
+    assert sp.canonical(deep, 10**9) == b"[" * 128 + b"1" + b"]" * 128
+    assert sp.canonical([deep], 10**9) is None
+    nested: Any = {"v": 1}
+    for _ in range(400):
+        nested = {"k": nested}
+    fence = EffectFence(FenceConfig(auto_sweep=False, max_depth=512))
+    out: list[Any] = []
+    old = threading.stack_size(128 * 1024)
+    try:
+        t = threading.Thread(
+            target=lambda: out.append(fence.prepare(EffectRequest("deep", "d", "t", nested)))
+        )
+        t.start()
+        t.join()
+    finally:
+        threading.stack_size(old)
+    assert out and out[0].fresh
+
+
+@needs_c
+def test_config_values_beyond_c_types_keep_working() -> None:
+    """Found by review: limits C cannot hold broke fences only when the accelerator loaded."""
+    big = EffectFence(FenceConfig(auto_sweep=False, max_args_bytes=10**30, max_result_bytes=10**30))
+    assert big._fast is not None
+    assert big.commit(big.prepare(EffectRequest("i", "d", "t", {"a": 1})).ticket, 1).verify()
+    inf = EffectFence(FenceConfig(auto_sweep=False, max_depth=float("inf")))  # type: ignore[arg-type]
+    assert inf._fast is None
+    assert inf.commit(inf.prepare(EffectRequest("i", "d", "t", {"a": [1]})).ticket, 1).verify()
+    assert canonical_bytes({"a": [1]}, max_depth=float("inf")) == b'{"a":[1]}'  # type: ignore[arg-type]
+
+
+@needs_c
+def test_overriding_any_method_the_c_path_stands_in_for_keeps_the_python_paths() -> None:
+    """Found by review: a subclass's _result_json hook ran only on the rows C handed back."""
+
+    class NoCardNumbers(EffectFence):
+        def _result_json(self, intent: str, result: Any) -> bytes:
+            if isinstance(result, dict) and "pan" in result:
+                raise InvalidRequest("results must not carry card numbers")
+            return super()._result_json(intent, result)
+
+    fence = NoCardNumbers(FenceConfig(auto_sweep=False))
+    assert fence._fast is None
+    ticket = fence.prepare(EffectRequest("card", "d", "t", {})).ticket
+    with pytest.raises(InvalidRequest, match="card numbers"):
+        fence.commit(ticket, {"pan": "4111111111111111"})
+
+
+@needs_c
+def test_a_second_init_does_not_keep_the_old_fast_path() -> None:
+    fence = EffectFence(FenceConfig(auto_sweep=False))
+    assert fence._fast is not None
+    EffectFence.__init__(fence, FenceConfig(auto_sweep=False, counters="pure"))
+    assert fence._fast is None and "prepare" not in fence.__dict__
+    fence.prepare(EffectRequest("again", "d", "t", {}))
+    assert fence.intent_status("again").state == "in_flight"
+    assert fence.stats()["prepare"]["admitted"] == 1

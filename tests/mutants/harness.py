@@ -370,6 +370,30 @@ MUTANTS: tuple[Mutant, ...] = (
         "the C commit takes tickets with a read set and never re-validates it",
     ),
     Mutant(
+        "admit-clock-at-edge",
+        "G1",
+        "effectfence/fence.py",
+        "        if seq > MAX_SAFE_INTEGER or tick > MAX_SAFE_INTEGER:\n",
+        "        if seq > MAX_SAFE_INTEGER:\n",
+        _both(
+            "tests/test_regressions.py::"
+            "test_clock_at_the_edge_is_refused_at_prepare_not_after_the_effect_ran[{store}]"
+        ),
+        "a ticket whose clock a certificate cannot encode is admitted: it runs, never commits",
+    ),
+    Mutant(
+        "c-admit-clock-at-edge",
+        "G1",
+        "csrc/effectfence_speedups.c",
+        "    *at_edge = overflow || tick > MAX_SAFE_INTEGER;\n",
+        "    *at_edge = 0;\n",
+        (
+            "tests/test_regressions.py::"
+            "test_clock_at_the_edge_is_refused_at_prepare_not_after_the_effect_ran[memory-atomic]",
+        ),
+        "the C prepare admits a ticket whose clock a certificate cannot encode",
+    ),
+    Mutant(
         "c-request-skips-name-checks",
         "G7",
         "csrc/effectfence_speedups.c",
