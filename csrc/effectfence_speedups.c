@@ -170,6 +170,9 @@ static int enc_utf8_string(Buf *b, const char *s, Py_ssize_t n) {
 }
 
 static int enc_str(Buf *b, PyObject *s) {
+    if (PyUnicode_IS_COMPACT_ASCII(s)) { /* the common case: the str's data is its UTF-8 */
+        return enc_utf8_string(b, (const char *)PyUnicode_DATA(s), PyUnicode_GET_LENGTH(s));
+    }
     Py_ssize_t n;
     const char *u = PyUnicode_AsUTF8AndSize(s, &n);
     if (u == NULL) {
@@ -390,8 +393,19 @@ static int enc_dict(Buf *b, PyObject *o, int depth) {
         rc = ENC_FALLBACK;
         goto done;
     }
-    if (n > 1) {
-        qsort(items, (size_t)n, sizeof(Member), astral ? member_cmp_utf16 : member_cmp_codepoint);
+    int (*cmp)(const void *, const void *) = astral ? member_cmp_utf16 : member_cmp_codepoint;
+    if (n <= 8) { /* insertion sort: the usual few keys, without qsort's setup */
+        for (Py_ssize_t j = 1; j < n; j++) {
+            Member m = items[j];
+            Py_ssize_t k = j;
+            while (k > 0 && cmp(&items[k - 1], &m) > 0) {
+                items[k] = items[k - 1];
+                k--;
+            }
+            items[k] = m;
+        }
+    } else {
+        qsort(items, (size_t)n, sizeof(Member), cmp);
     }
     for (i = 0; i < n; i++) {
         if (buf_byte(b, i ? ',' : '{') < 0) {
@@ -629,7 +643,7 @@ typedef unsigned char *(*sha256_fn)(const unsigned char *, size_t, unsigned char
     X(records) X(locks) X(inflight) X(heads) X(heads_lock) X(wheel) X(seq_slots)         \
     X(store_schedule) X(seqs_reserve) X(clock_fn)                                        \
     /* the fence */                                                                      \
-    X(fence) X(waiters) X(wake) X(slow_prepare) X(slow_prepare_payload) X(slow_commit) X(admit)                  \
+    X(sweep_due) X(waiters) X(wake) X(slow_prepare) X(slow_prepare_payload) X(slow_commit) X(admit)                  \
     /* constants */                                                                      \
     X(in_flight) X(done) X(empty_head) X(empty_tuple) X(zero) X(zero_int) X(one) X(empty_str) X(false_)     \
     X(sha256) X(format_json)
@@ -655,7 +669,7 @@ typedef struct {
     int64_t token_slot, slot_admitted, slot_replayed, slot_commits;
 } FastPath;
 
-static PyObject *s_acquire, *s_release, *s_hexdigest, *s_next_sweep;
+static PyObject *s_acquire, *s_release, *s_hexdigest;
 
 static int fp_traverse(FastPath *self, visitproc visit, void *arg) {
     FP_OBJECTS(FP_VISIT)
@@ -753,7 +767,7 @@ static PyObject *fp_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         get_item(cfg, "clock", &self->clock_fn) < 0 ||
         get_ssize(cfg, "mask", &self->mask) < 0 ||
         get_double(cfg, "granularity", &self->granularity) < 0 ||
-        get_item(cfg, "fence", &self->fence) < 0 ||
+        get_item(cfg, "sweep_due", &self->sweep_due) < 0 ||
         get_item(cfg, "waiters", &self->waiters) < 0 ||
         get_item(cfg, "wake", &self->wake) < 0 ||
         get_item(cfg, "slow_prepare", &self->slow_prepare) < 0 ||
@@ -784,6 +798,7 @@ static PyObject *fp_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         !PyList_CheckExact(self->inflight) || !PyDict_CheckExact(self->heads) ||
         !PyDict_CheckExact(self->wheel) || !PyDict_CheckExact(self->seq_slots) ||
         !PyDict_CheckExact(self->waiters) || !PyBytes_CheckExact(self->format_json) ||
+        !PyList_CheckExact(self->sweep_due) || PyList_GET_SIZE(self->sweep_due) != 1 ||
         !PyType_Check(self->cert_type) ||
         !PyType_IsSubtype(self->cert_type, &PyTuple_Type) ||
         PyList_GET_SIZE(self->locks) != self->mask + 1 ||
@@ -1153,18 +1168,16 @@ static PyObject *fp_prepare(FastPath *self, PyObject *request) {
         goto out;
     }
     if (self->auto_sweep) {
-        PyObject *ns = PyObject_GetAttr(self->fence, s_next_sweep);
+        PyObject *due = PyList_GET_ITEM(self->sweep_due, 0); /* the fence's _sweep_due[0] */
         double next;
-        if (ns == NULL) {
+        if (!PyFloat_CheckExact(due) && as_double(due, &next) < 0) {
             goto out;
         }
-        rc = as_double(ns, &next);
-        Py_DECREF(ns);
-        if (rc < 0) {
-            goto out;
+        if (PyFloat_CheckExact(due)) {
+            next = PyFloat_AS_DOUBLE(due);
         }
         if (now >= next) {
-            result = fall_back_with_payload(self, request, payload, args_json); /* the Python path sweeps */
+            result = fall_back_with_payload(self, request, payload, args_json); /* it sweeps */
             goto out;
         }
     }
@@ -1832,8 +1845,7 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     s_acquire = PyUnicode_InternFromString("acquire");
     s_release = PyUnicode_InternFromString("release");
     s_hexdigest = PyUnicode_InternFromString("hexdigest");
-    s_next_sweep = PyUnicode_InternFromString("_next_sweep");
-    if (s_acquire == NULL || s_release == NULL || s_hexdigest == NULL || s_next_sweep == NULL) {
+    if (s_acquire == NULL || s_release == NULL || s_hexdigest == NULL) {
         return NULL;
     }
     if (PyType_Ready(&FastPathType) < 0 || PyType_Ready(&RequestInitType) < 0) {

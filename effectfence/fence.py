@@ -208,7 +208,9 @@ class EffectFence:
         self._fp_is_payload = type(store).fingerprint_of is MemoryStore.fingerprint_of
         self._auto = cfg.auto_sweep
         self._waiters: dict[str, threading.Event] = {}
-        self._next_sweep = -math.inf
+        # when the next auto-sweep is due: a one-slot list, read by the C path without an
+        # attribute lookup
+        self._sweep_due = [-math.inf]
         self._sweep_lock = threading.Lock()
         self._fast: Any = None
         self._install_fast_path()
@@ -244,7 +246,7 @@ class EffectFence:
             Fresh=Fresh,
             Replay=Replay,
             EffectCert=EffectCert,
-            fence=self,
+            sweep_due=self._sweep_due,
             waiters=self._waiters,
             wake=self._wake,
             slow_prepare=EffectFence.prepare.__get__(self),
@@ -363,7 +365,7 @@ class EffectFence:
         fp = payload if self._fp_is_payload else store.fingerprint_of(payload)
         intent = request.intent
         now = self._now()
-        if self._auto and now >= self._next_sweep:
+        if self._auto and now >= self._sweep_due[0]:
             self._auto_sweep()
             now = self._now()
         for attempt in range(_MAX_MOVES):
@@ -721,7 +723,7 @@ class EffectFence:
         if not self._sweep_lock.acquire(blocking=False):
             return  # another thread is sweeping
         try:
-            self._next_sweep = self.store.now() + self.config.sweep_interval
+            self._sweep_due[0] = self.store.now() + self.config.sweep_interval
             self.sweep(self.config.sweep_batch)
         finally:
             self._sweep_lock.release()
