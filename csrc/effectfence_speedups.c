@@ -10,8 +10,8 @@
  *    the one that names what is wrong.  It never raises except MemoryError.
  *
  * 2. FastPath: prepare and commit of an EffectFence over the default MemoryStore, for the
- *    common case (no read set, no expected_seq): a fresh claim, a replay, a commit by the
- *    current token.  It works on the store's own dicts under the store's own stripe locks,
+ *    common cases (no read set): a fresh claim (strict expected_seq included), a replay, a
+ *    commit by the current token.  It works on the store's own dicts under the store's own stripe locks,
  *    so it is one more writer among the Python ones, never a second source of truth.
  *    Anything else (a refusal, a takeover, an expired result, a store-level surprise) is
  *    handed, untouched, to the Python method it shadows, which decides and explains it.
@@ -633,6 +633,7 @@ static const char *const REPLAY_FIELDS[] = {"_cert", NULL};
 /* ------------------------------------------------------------------------------ FastPath */
 
 typedef int64_t (*reserve_fn)(int64_t);
+typedef int64_t (*advance_if_fn)(int64_t, int64_t);
 /* OpenSSL's one-shot SHA256(data, len, out), as loaded for hashlib (effectfence._accel) */
 typedef unsigned char *(*sha256_fn)(const unsigned char *, size_t, unsigned char *);
 
@@ -665,6 +666,8 @@ typedef struct {
     Py_ssize_t max_args_bytes, max_result_bytes;
     /* counters: the process's C table, by slot */
     reserve_fn reserve;
+    advance_if_fn advance_if;
+    reserve_fn load;
     sha256_fn sha256_direct; /* NULL: hash through hashlib (self->sha256) */
     int64_t token_slot, slot_admitted, slot_replayed, slot_commits;
 } FastPath;
@@ -746,7 +749,7 @@ static PyObject *fp_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     if (self == NULL) {
         return NULL;
     }
-    Py_ssize_t reserve_addr, sha_addr, token_slot, sa, sr, sc, max_depth, auto_sweep;
+    Py_ssize_t reserve_addr, advance_addr, load_addr, sha_addr, token_slot, sa, sr, sc, max_depth, auto_sweep;
     if (get_layout(cfg, "EffectRequest", &self->request, REQUEST_FIELDS) < 0 ||
         get_layout(cfg, "PreparedEffect", &self->ticket, TICKET_FIELDS) < 0 ||
         get_layout(cfg, "IntentRecord", &self->record, RECORD_FIELDS) < 0 ||
@@ -781,6 +784,8 @@ static PyObject *fp_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         get_ssize(cfg, "max_args_bytes", &self->max_args_bytes) < 0 ||
         get_ssize(cfg, "max_result_bytes", &self->max_result_bytes) < 0 ||
         get_ssize(cfg, "reserve_address", &reserve_addr) < 0 ||
+        get_ssize(cfg, "advance_if_address", &advance_addr) < 0 ||
+        get_ssize(cfg, "load_address", &load_addr) < 0 ||
         get_ssize(cfg, "sha256_address", &sha_addr) < 0 ||
         get_ssize(cfg, "token_slot", &token_slot) < 0 ||
         get_ssize(cfg, "slot_admitted", &sa) < 0 ||
@@ -803,6 +808,7 @@ static PyObject *fp_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         !PyType_IsSubtype(self->cert_type, &PyTuple_Type) ||
         PyList_GET_SIZE(self->locks) != self->mask + 1 ||
         PyList_GET_SIZE(self->inflight) != self->mask + 1 || reserve_addr == 0 ||
+        advance_addr == 0 || load_addr == 0 ||
         !(self->granularity > 0)) {
         PyErr_SetString(PyExc_TypeError, "FastPath: config does not describe a memory fence");
         Py_DECREF(self);
@@ -811,6 +817,8 @@ static PyObject *fp_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     self->auto_sweep = auto_sweep != 0;
     self->max_depth = max_depth > DEPTH_CAP ? DEPTH_CAP : (int)max_depth;
     self->reserve = (reserve_fn)(uintptr_t)reserve_addr;
+    self->advance_if = (advance_if_fn)(uintptr_t)advance_addr;
+    self->load = (reserve_fn)(uintptr_t)load_addr;
     self->sha256_direct = sha_addr ? (sha256_fn)(uintptr_t)sha_addr : NULL;
     self->token_slot = token_slot;
     self->slot_admitted = sa;
@@ -1137,13 +1145,19 @@ static PyObject *fp_prepare(FastPath *self, PyObject *request) {
         read_set == NULL || parent == NULL || known == NULL || expected == NULL ||
         !PyUnicode_CheckExact(intent) || !PyUnicode_CheckExact(domain) ||
         !PyUnicode_CheckExact(tool) || !PyUnicode_CheckExact(agent) ||
-        expected != Py_None || !PyTuple_CheckExact(read_set) || PyTuple_GET_SIZE(read_set) ||
-        (known != Py_None && Py_TYPE(known) != self->clock.type)) {
-        return fall_back_prepare(self, request); /* read sets and expected_seq: Python */
+        (expected != Py_None && !PyLong_CheckExact(expected)) || !PyTuple_CheckExact(read_set) ||
+        PyTuple_GET_SIZE(read_set) || (known != Py_None && Py_TYPE(known) != self->clock.type)) {
+        return fall_back_prepare(self, request); /* read sets: Python */
+    }
+    /* strict OCC: expected_seq (checked at the door: an int in [0, 2**53-2]); -1 if none */
+    int64_t strict = expected == Py_None ? -1 : PyLong_AsLongLong(expected);
+    if (strict < 0 && expected != Py_None) {
+        PyErr_Clear();
+        return fall_back_prepare(self, request);
     }
     /* Own the fields: a finalizer run by an allocation below may let another thread rebind
      * the request's slots, and a borrowed field would then dangle. */
-    PyObject *owned[] = {intent, domain, tool, args, agent, read_set, parent, known};
+    PyObject *owned[] = {intent, domain, tool, args, agent, read_set, parent, known, expected};
     const int n_owned = (int)(sizeof(owned) / sizeof(owned[0]));
     for (int i = 0; i < n_owned; i++) {
         Py_INCREF(owned[i]);
@@ -1200,7 +1214,7 @@ static PyObject *fp_prepare(FastPath *self, PyObject *request) {
     if (PyErr_Occurred()) {
         goto out;
     }
-    /* ABSENT -> claim: the store's claim, for an empty read set and no expected_seq */
+    /* ABSENT -> claim: the store's claim, for an empty read set */
     Py_ssize_t stripe;
     PyObject *lock = lock_stripe(self, intent, &stripe);
     if (lock == NULL) {
@@ -1219,15 +1233,28 @@ static PyObject *fp_prepare(FastPath *self, PyObject *request) {
         }
         goto out;
     }
-    PyObject *seq_obj;
+    PyObject *seq_obj = NULL;
     PyObject *slot = PyDict_GetItemWithError(self->seq_slots, domain);
-    if (slot != NULL) {
-        int64_t s = PyLong_AsLongLong(slot);
-        int64_t v = (s == -1 && PyErr_Occurred()) ? -1 : self->reserve(s);
+    int64_t s = slot == NULL ? -1 : PyLong_AsLongLong(slot);
+    if (strict >= 0 && slot != NULL && !PyErr_Occurred()) {
+        /* the store's condition 3 with expected_seq: compare-and-advance in one atomic step */
+        int64_t got = self->advance_if(s, strict);
+        if (!PyErr_Occurred() && got < 0) {
+            /* lost: nothing moved; the Python claim judges again and refuses domain_race */
+            lock_release(lock);
+            result = fall_back_with_payload(self, request, payload, args_json);
+            goto out;
+        }
+        seq_obj = PyErr_Occurred() ? NULL : PyLong_FromLongLong(got);
+    } else if (strict >= 0 && !PyErr_Occurred()) {
+        /* a domain never counted: the Python claim judges expected_seq against the floor */
+        lock_release(lock);
+        result = fall_back_with_payload(self, request, payload, args_json);
+        goto out;
+    } else if (slot != NULL && !PyErr_Occurred()) {
+        int64_t v = self->reserve(s);
         seq_obj = (v < 0 && PyErr_Occurred()) ? NULL : PyLong_FromLongLong(v);
-    } else if (PyErr_Occurred()) {
-        seq_obj = NULL;
-    } else {
+    } else if (!PyErr_Occurred()) {
         seq_obj = PyObject_CallOneArg(self->seqs_reserve, domain); /* a new domain */
     }
     if (seq_obj == NULL) {
@@ -1329,7 +1356,7 @@ static PyObject *fp_prepare(FastPath *self, PyObject *request) {
     PyObject *tv[TK_N] = {Py_NewRef(intent),   Py_NewRef(domain),   seq_obj,
                           token,               Py_NewRef(agent),    Py_NewRef(tool),
                           Py_NewRef(args),     Py_NewRef(read_set), Py_NewRef(tparent),
-                          clock,               Py_NewRef(Py_None),  lease,
+                          clock,               Py_NewRef(expected), lease,
                           Py_NewRef(payload),  Py_NewRef(args_json)};
     PyObject *ticket = layout_new(&self->ticket, tv);
     if (ticket == NULL) {
@@ -1353,6 +1380,24 @@ out:
 }
 
 /* -- commit --------------------------------------------------------------------------------- */
+
+/* A strict ticket (expected_seq) commits only if its domain is still at the ticket's own
+ * seq: the complete step's own_seq check, judged under the stripe lock.  1 holds, 0 moved
+ * (or a domain not counted: the Python complete judges it, marks FAILED and refuses), -1
+ * error. */
+static int own_seq_holds(FastPath *self, PyObject *domain, PyObject *seq) {
+    PyObject *slot = PyDict_GetItemWithError(self->seq_slots, domain);
+    if (slot == NULL) {
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    int64_t s = PyLong_AsLongLong(slot);
+    int64_t at = (s == -1 && PyErr_Occurred()) ? -1 : self->load(s);
+    int64_t own = PyLong_AsLongLong(seq);
+    if (PyErr_Occurred()) {
+        return -1;
+    }
+    return at == own;
+}
 
 /* Rule 3 for the one row the fast path decides: the record is IN_FLIGHT (live or lapsed:
  * a lapsed lease nobody took over is still its holder's) and ``token`` is its current
@@ -1492,7 +1537,8 @@ static PyObject *fp_commit(FastPath *self, PyObject *const *args, Py_ssize_t nar
     }
     PyObject *intent = tk[TK_INTENT], *token = tk[TK_TOKEN], *vclock = tk[TK_CLOCK];
     if (!PyUnicode_CheckExact(intent) || !PyBytes_CheckExact(tk[TK_FP]) ||
-        !PyBytes_CheckExact(tk[TK_ARGS_JSON]) || tk[TK_EXPECTED] != Py_None ||
+        !PyBytes_CheckExact(tk[TK_ARGS_JSON]) ||
+        (tk[TK_EXPECTED] != Py_None && !PyLong_CheckExact(tk[TK_EXPECTED])) ||
         !PyTuple_CheckExact(tk[TK_READ_SET]) || PyTuple_GET_SIZE(tk[TK_READ_SET]) ||
         !PyLong_CheckExact(token) || !PyUnicode_CheckExact(tk[TK_DOMAIN]) ||
         !PyUnicode_CheckExact(tk[TK_TOOL]) || !PyUnicode_CheckExact(tk[TK_AGENT]) ||
@@ -1590,7 +1636,8 @@ static PyObject *fp_commit_owned(FastPath *self, PyObject *ticket, PyObject *res
     PyObject *cur = PyDict_GetItemWithError(self->records, intent);
     PyObject *cur_domain = NULL;
     int ok = cur != NULL && holds_lease(self, cur, token) == 1 &&
-             (cur_domain = SLOT(cur, self->record, RC_DOMAIN)) != NULL;
+             (cur_domain = SLOT(cur, self->record, RC_DOMAIN)) != NULL &&
+             (tk[TK_EXPECTED] == Py_None || own_seq_holds(self, cur_domain, tk[TK_SEQ]) == 1);
     if (!ok || PyErr_Occurred()) {
         lock_release(lock);
         if (!PyErr_Occurred()) {

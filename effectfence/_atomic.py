@@ -48,10 +48,17 @@ advance_if: Final[Callable[[int, int], int]] = _lib_any.efpy_advance_if
 compare_exchange: Final[Callable[[int, int, int], int]] = _lib_any.efpy_compare_exchange
 fetch_max: Final[Callable[[int, int], int]] = _lib_any.efpy_fetch_max
 
-#: Address of ``efpy_reserve`` (C signature ``int64_t(int64_t)``): the C accelerator
-#: (effectfence._speedups) calls the counters through it, so both share this one table.
+#: Addresses of the shim's ``efpy_reserve``, ``efpy_advance_if`` and ``efpy_load`` (C
+#: signatures as above): the C accelerator (effectfence._speedups) calls the counters through
+#: them, so both share this one table.
 RESERVE_ADDRESS: Final[int] = int(
     _ffi_any.cast("uintptr_t", _ffi_any.addressof(_lib_any, "efpy_reserve"))
+)
+ADVANCE_IF_ADDRESS: Final[int] = int(
+    _ffi_any.cast("uintptr_t", _ffi_any.addressof(_lib_any, "efpy_advance_if"))
+)
+LOAD_ADDRESS: Final[int] = int(
+    _ffi_any.cast("uintptr_t", _ffi_any.addressof(_lib_any, "efpy_load"))
 )
 
 

@@ -69,10 +69,14 @@ _FAST_STANDS_IN = (
 )
 
 
-def _atomic_reserve_address() -> int:
+def _atomic_addresses() -> dict[str, int]:
     from effectfence import _atomic  # present: the fence's counters are the C table
 
-    return int(_atomic.RESERVE_ADDRESS)
+    return {
+        "reserve_address": _atomic.RESERVE_ADDRESS,
+        "advance_if_address": _atomic.ADVANCE_IF_ADDRESS,
+        "load_address": _atomic.LOAD_ADDRESS,
+    }
 
 
 __all__ = [
@@ -260,7 +264,7 @@ class EffectFence:
             max_depth=min(cfg.max_depth, sys.maxsize),
             max_args_bytes=int(min(cfg.max_args_bytes, sys.maxsize)),
             max_result_bytes=int(min(cfg.max_result_bytes, sys.maxsize)),
-            reserve_address=_atomic_reserve_address(),
+            **_atomic_addresses(),
             slot_admitted=self._slot_admitted,
             slot_replayed=self._slot_replayed,
             slot_commits=self._slot_commits,

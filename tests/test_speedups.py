@@ -257,7 +257,7 @@ _op = st.one_of(
         st.sampled_from(["d0", "d1"]),
         st.sampled_from([{"a": 1}, {"a": 2.5}, {"b": ["x", None]}]),
         st.sampled_from(["ag0", "ag1"]),
-        st.sampled_from(["plain", "parent", "known", "expected", "read_set"]),
+        st.sampled_from(["plain", "parent", "known", "expected", "stale", "read_set"]),
     ),
     st.tuples(st.just("commit"), st.sampled_from(_INTENTS), st.sampled_from([{"r": 1}, [1.5]])),
     st.tuples(st.just("commit_old"), st.sampled_from(_INTENTS)),
@@ -300,6 +300,8 @@ class _Twin:
                 kw["known_clock"] = {"ag0": 3, "zz": 1}
             elif extra == "expected":
                 kw["expected_seq"] = f.current(domain)
+            elif extra == "stale":  # a view the domain has moved past (or not reached)
+                kw["expected_seq"] = abs(f.current(domain) - 1)
             elif extra == "read_set":
                 kw["read_set"] = [("d0", f.current("d0"))]
 
@@ -417,7 +419,7 @@ def test_claim_rechecks_under_the_lock_when_another_claim_gets_in_first() -> Non
     hook = [lambda: other.append(_in_thread(lambda: fence.prepare(req)))]
     store = fence.store
     assert isinstance(store, MemoryStore)
-    store._locks[:] = [_HookLock(hook) for _ in store._locks]  # type: ignore[misc]
+    store._locks[:] = [_HookLock(hook) for _ in store._locks]
     with pytest.raises(IntentInFlight):
         fence.prepare(req)  # read "absent", then lost the stripe to the other claim
     assert other[0][0] == "fresh"
@@ -432,7 +434,7 @@ def test_commit_rechecks_under_the_lock_when_the_lease_moves_first() -> None:
     hook = [lambda: _in_thread(lambda: fence.abort(ticket, "operator"))]
     store = fence.store
     assert isinstance(store, MemoryStore)
-    store._locks[:] = [_HookLock(hook) for _ in store._locks]  # type: ignore[misc]
+    store._locks[:] = [_HookLock(hook) for _ in store._locks]
     with pytest.raises(LeaseLost):
         fence.commit(ticket, {"charged": True})  # judged current, then aborted under it
     status = fence.intent_status("moved")
@@ -678,3 +680,36 @@ def test_a_second_init_does_not_keep_the_old_fast_path() -> None:
     fence.prepare(EffectRequest("again", "d", "t", {}))
     assert fence.intent_status("again").state == "in_flight"
     assert fence.stats()["prepare"]["admitted"] == 1
+
+
+@needs_c
+def test_expected_seq_on_a_counted_domain_admits_one_view_and_refuses_the_rest() -> None:
+    """Strict OCC on the C path: compare-and-advance under the stripe lock; a stale view is
+    refused domain_race and moves nothing; a commit whose domain moved fails the intent."""
+    fast, _, slow, _ = _pair()
+    rows = []
+    for fence in (fast, slow):
+        seed = fence.prepare(EffectRequest("seed", "acct", "t", {}))
+        fence.commit(seed.ticket, 1)  # the domain is counted, at 1
+        row = [
+            _outcome(
+                lambda f=fence, i=i, e=e: f.prepare(
+                    EffectRequest(f"e{i}", "acct", "t", {}, "ag", expected_seq=e)
+                )
+            )
+            for i, e in enumerate([0, 2, 1, 1])
+        ]
+        ticket = fence.store.get("e2")
+        row.append(fence.current("acct"))
+        late = fence.prepare(EffectRequest("late", "acct", "t", {}, "ag", expected_seq=2))
+        fence.commit(fence.prepare(EffectRequest("mover", "acct", "t", {})).ticket, 2)
+        row.append(_outcome(lambda f=fence, t=late.ticket: f.commit(t, 3)))
+        row.append(fence.intent_status("late").state)
+        row.append(fence.stats())
+        rows.append(row)
+        assert ticket is not None
+    assert rows[0] == rows[1]
+    got = rows[0]
+    assert [o[0] for o in got[:4]] == ["refused", "refused", "fresh", "refused"]
+    assert got[0][1] == got[1][1] == got[3][1] == "domain_race" and got[2][2] == 2
+    assert got[4] == 2 and got[5][1] == "read_set_stale" and got[6] == "failed"

@@ -403,6 +403,30 @@ MUTANTS: tuple[Mutant, ...] = (
         "the C prepare never hands a due auto-sweep to the Python path: memory grows",
     ),
     Mutant(
+        "c-expected-seq-ignored",
+        "G6",
+        "csrc/effectfence_speedups.c",
+        "        int64_t got = self->advance_if(s, strict);\n",
+        "        int64_t got = self->reserve(s);\n",
+        (
+            "tests/test_speedups.py::"
+            "test_expected_seq_on_a_counted_domain_admits_one_view_and_refuses_the_rest",
+        ),
+        "the C claim reserves the next seq whatever expected_seq says",
+    ),
+    Mutant(
+        "c-commit-skips-own-seq-check",
+        "G6",
+        "csrc/effectfence_speedups.c",
+        "             (tk[TK_EXPECTED] == Py_None || "
+        "own_seq_holds(self, cur_domain, tk[TK_SEQ]) == 1);\n",
+        "             1;\n",
+        (
+            "tests/test_fence.py::test_g6_expected_seq_judged_against_own_reservation[memory-atomic]",
+        ),
+        "the C commit of a strict ticket ignores that its domain moved while the effect ran",
+    ),
+    Mutant(
         "c-request-skips-name-checks",
         "G7",
         "csrc/effectfence_speedups.c",
