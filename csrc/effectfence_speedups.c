@@ -397,12 +397,12 @@ static int enc_dict(Buf *b, PyObject *o, int depth) {
     if (n <= 8) { /* insertion sort: the usual few keys, without qsort's setup */
         for (Py_ssize_t j = 1; j < n; j++) {
             Member m = items[j];
-            Py_ssize_t k = j;
-            while (k > 0 && cmp(&items[k - 1], &m) > 0) {
-                items[k] = items[k - 1];
-                k--;
+            Py_ssize_t at = j;
+            while (at > 0 && cmp(&items[at - 1], &m) > 0) {
+                items[at] = items[at - 1];
+                at--;
             }
-            items[k] = m;
+            items[at] = m;
         }
     } else {
         qsort(items, (size_t)n, sizeof(Member), cmp);
@@ -897,15 +897,6 @@ static int64_t bump(FastPath *self, int64_t slot) {
     return v;
 }
 
-static int as_double(PyObject *o, double *out) {
-    if (PyFloat_CheckExact(o)) {
-        *out = PyFloat_AS_DOUBLE(o);
-        return 0;
-    }
-    *out = PyFloat_AsDouble(o);
-    return (*out == -1.0 && PyErr_Occurred()) ? -1 : 0;
-}
-
 /* The store's timing wheel: append (intent, token) to the due bucket, as _schedule does,
  * handing the rare cases (a new bucket, a bucket a sweep just took) to the Python method. */
 static int schedule(FastPath *self, double deadline, PyObject *intent, PyObject *token) {
@@ -1182,14 +1173,16 @@ static PyObject *fp_prepare(FastPath *self, PyObject *request) {
         goto out;
     }
     if (self->auto_sweep) {
-        PyObject *due = PyList_GET_ITEM(self->sweep_due, 0); /* the fence's _sweep_due[0] */
-        double next;
-        if (!PyFloat_CheckExact(due) && as_double(due, &next) < 0) {
+        /* the fence's _sweep_due[0]; a list that is not one float (only private meddling
+         * makes it so) goes to the Python path, which says what is wrong with it */
+        PyObject *due = PyList_GET_SIZE(self->sweep_due) == 1
+                            ? PyList_GET_ITEM(self->sweep_due, 0)
+                            : NULL;
+        if (due == NULL || !PyFloat_CheckExact(due)) {
+            result = fall_back_with_payload(self, request, payload, args_json);
             goto out;
         }
-        if (PyFloat_CheckExact(due)) {
-            next = PyFloat_AS_DOUBLE(due);
-        }
+        double next = PyFloat_AS_DOUBLE(due);
         if (now >= next) {
             result = fall_back_with_payload(self, request, payload, args_json); /* it sweeps */
             goto out;
@@ -1391,9 +1384,15 @@ static int own_seq_holds(FastPath *self, PyObject *domain, PyObject *seq) {
         return PyErr_Occurred() ? -1 : 0;
     }
     int64_t s = PyLong_AsLongLong(slot);
-    int64_t at = (s == -1 && PyErr_Occurred()) ? -1 : self->load(s);
+    if (s == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    int64_t at = self->load(s);
+    if (at < 0 && PyErr_Occurred()) {
+        return -1;
+    }
     int64_t own = PyLong_AsLongLong(seq);
-    if (PyErr_Occurred()) {
+    if (own == -1 && PyErr_Occurred()) {
         return -1;
     }
     return at == own;

@@ -713,3 +713,24 @@ def test_expected_seq_on_a_counted_domain_admits_one_view_and_refuses_the_rest()
     assert [o[0] for o in got[:4]] == ["refused", "refused", "fresh", "refused"]
     assert got[0][1] == got[1][1] == got[3][1] == "domain_race" and got[2][2] == 2
     assert got[4] == 2 and got[5][1] == "read_set_stale" and got[6] == "failed"
+
+
+@needs_c
+@pytest.mark.parametrize("meddle", ["clear", "none", "int"])
+def test_a_meddled_sweep_deadline_goes_to_the_python_path(meddle: str) -> None:
+    """Found by review: the C path read the one-slot deadline list without a bounds check,
+    so emptying it (private state) crashed the process. Anything but one float now goes to
+    the Python path, which behaves as it always did."""
+    outcomes = []
+    for fence in _pair(auto_sweep=True)[::2]:
+        fence.prepare(EffectRequest("warm", "d", "t", {}))  # the first prepare sweeps
+        due = fence._sweep_due
+        if meddle == "clear":
+            due.clear()
+        else:
+            due[0] = None if meddle == "none" else 10**6
+        try:
+            outcomes.append(_outcome(lambda f=fence: f.prepare(EffectRequest("x", "d", "t", {}))))
+        except Exception as exc:  # whatever Python does with it, the C path must do too
+            outcomes.append(("raised", type(exc).__name__))
+    assert outcomes[0] == outcomes[1]
