@@ -814,6 +814,13 @@ static PyObject *fp_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         Py_DECREF(self);
         return NULL;
     }
+    for (Py_ssize_t i = 0; i <= self->mask; i++) {
+        if (!PyDict_CheckExact(PyList_GET_ITEM(self->inflight, i))) {
+            PyErr_SetString(PyExc_TypeError, "FastPath: in-flight counts must be dicts");
+            Py_DECREF(self);
+            return NULL;
+        }
+    }
     self->auto_sweep = auto_sweep != 0;
     self->max_depth = max_depth > DEPTH_CAP ? DEPTH_CAP : (int)max_depth;
     self->reserve = (reserve_fn)(uintptr_t)reserve_addr;
@@ -1119,6 +1126,106 @@ static PyObject *replayable(FastPath *self, PyObject *rec, double now, PyObject 
     return cert;
 }
 
+/* What a claim hands to the rest of prepare (new references). */
+typedef struct {
+    PyObject *seq, *token, *lease, *head;
+    double lease_until;
+} Claim;
+
+static void claim_clear(Claim *c) {
+    Py_CLEAR(c->seq);
+    Py_CLEAR(c->token);
+    Py_CLEAR(c->lease);
+    Py_CLEAR(c->head);
+}
+
+/* MemoryStore.claim for a request without a read set; the caller holds the intent's stripe
+ * lock.  0: claimed (*c filled).  1: the Python claim must judge (someone claimed first, a
+ * lost expected_seq race, a domain never counted): nothing changed.  -1: an error, raised
+ * at the same step as the Python claim would raise it. */
+static int claim_locked(FastPath *self, Py_ssize_t stripe, PyObject *intent, PyObject *domain,
+                        PyObject *agent, PyObject *payload, int64_t strict, Claim *c) {
+    double now;
+    if (now_of(self, &now) < 0) {
+        return -1;
+    }
+    /* condition 1: the slot is still free (the unlocked read saw it free) */
+    PyObject *rec = PyDict_GetItemWithError(self->records, intent);
+    if (rec != NULL || PyErr_Occurred()) {
+        return PyErr_Occurred() ? -1 : 1;
+    }
+    /* condition 3: reserve (compare-and-advance with expected_seq, fetch-add without) */
+    PyObject *slot = PyDict_GetItemWithError(self->seq_slots, domain);
+    int64_t s = slot == NULL ? -1 : PyLong_AsLongLong(slot);
+    if (PyErr_Occurred()) {
+        return -1;
+    }
+    if (strict >= 0) {
+        if (slot == NULL) {
+            return 1; /* a domain never counted: judged against the floor, by Python */
+        }
+        int64_t got = self->advance_if(s, strict);
+        if (PyErr_Occurred()) {
+            return -1;
+        }
+        if (got < 0) {
+            return 1; /* lost: nothing moved; the Python claim refuses domain_race */
+        }
+        c->seq = PyLong_FromLongLong(got);
+    } else if (slot != NULL) {
+        int64_t v = self->reserve(s);
+        c->seq = (v < 0 && PyErr_Occurred()) ? NULL : PyLong_FromLongLong(v);
+    } else {
+        c->seq = PyObject_CallOneArg(self->seqs_reserve, domain); /* a new domain */
+    }
+    int64_t tok = c->seq == NULL ? -1 : bump(self, self->token_slot);
+    c->token = tok < 0 ? NULL : PyLong_FromLongLong(tok);
+    c->lease_until = now + self->lease_ttl;
+    c->lease = c->token == NULL ? NULL : PyFloat_FromDouble(c->lease_until);
+    if (c->lease == NULL) {
+        return -1;
+    }
+    /* the two writes: the record, then the domain's in-flight count */
+    PyObject *counts = PyList_GET_ITEM(self->inflight, stripe);
+    PyObject *have = PyDict_GetItemWithError(counts, domain);
+    long long n_in = have == NULL ? 0 : PyLong_AsLongLong(have);
+    if (PyErr_Occurred()) {
+        return -1;
+    }
+    PyObject *n_obj = PyLong_FromLongLong(n_in + 1);
+    PyObject *rv[RC_N] = {Py_NewRef(intent),     Py_NewRef(self->in_flight),
+                          Py_NewRef(c->token),   Py_NewRef(payload),
+                          Py_NewRef(domain),     Py_NewRef(agent),
+                          Py_NewRef(c->lease),   Py_NewRef(Py_None),
+                          Py_NewRef(self->zero), Py_NewRef(self->empty_str),
+                          Py_NewRef(self->zero)};
+    PyObject *record = acyclic(layout_new(&self->record, rv));
+    if (n_obj == NULL || record == NULL || PyDict_SetItem(self->records, intent, record) < 0) {
+        Py_XDECREF(n_obj);
+        Py_XDECREF(record);
+        return -1;
+    }
+    Py_DECREF(record);
+    if (PyDict_SetItem(counts, domain, n_obj) < 0) {
+        /* cannot leave a record without its count: take the record back out */
+        PyObject *exc_type, *exc_value, *exc_tb;
+        PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
+        if (PyDict_DelItem(self->records, intent) < 0) {
+            PyErr_Clear();
+        }
+        PyErr_Restore(exc_type, exc_value, exc_tb);
+        Py_DECREF(n_obj);
+        return -1;
+    }
+    Py_DECREF(n_obj);
+    PyObject *head = PyDict_GetItemWithError(self->heads, domain);
+    if (head == NULL && PyErr_Occurred()) {
+        return -1;
+    }
+    c->head = Py_NewRef(head != NULL ? head : self->empty_head);
+    return 0;
+}
+
 static PyObject *fp_prepare(FastPath *self, PyObject *request) {
     if (Py_TYPE(request) != self->request.type) {
         return fall_back_prepare(self, request);
@@ -1153,8 +1260,8 @@ static PyObject *fp_prepare(FastPath *self, PyObject *request) {
     for (int i = 0; i < n_owned; i++) {
         Py_INCREF(owned[i]);
     }
-    PyObject *payload = NULL, *args_json = NULL, *result = NULL, *rec_new = NULL, *head = NULL;
-    PyObject *known_copy = NULL;
+    PyObject *payload = NULL, *args_json = NULL, *result = NULL, *known_copy = NULL;
+    Claim c = {NULL, NULL, NULL, NULL, 0.0};
     int rc = build_payload(self, args, domain, tool, &payload, &args_json);
     if (rc != 0) {
         if (rc > 0) {
@@ -1201,155 +1308,55 @@ static PyObject *fp_prepare(FastPath *self, PyObject *request) {
             }
             goto out;
         }
-        result = fall_back_with_payload(self, request, payload, args_json); /* every refusal and takeover */
+        /* every refusal, a takeover, an expired result: the Python path decides */
+        result = fall_back_with_payload(self, request, payload, args_json);
         goto out;
     }
     if (PyErr_Occurred()) {
         goto out;
     }
-    /* ABSENT -> claim: the store's claim, for an empty read set */
+    /* ABSENT -> claim: the store's claim, as one step under the intent's stripe lock */
     Py_ssize_t stripe;
     PyObject *lock = lock_stripe(self, intent, &stripe);
     if (lock == NULL) {
         goto out;
     }
-    /* under the stripe lock: one atomic step with every other writer of this intent */
-    if (now_of(self, &now) < 0) {
-        lock_release(lock);
-        goto out;
-    }
-    rec = PyDict_GetItemWithError(self->records, intent);
-    if (rec != NULL || PyErr_Occurred()) {
-        lock_release(lock);
-        if (!PyErr_Occurred()) {
-            result = fall_back_with_payload(self, request, payload, args_json); /* someone claimed meanwhile */
-        }
-        goto out;
-    }
-    PyObject *seq_obj = NULL;
-    PyObject *slot = PyDict_GetItemWithError(self->seq_slots, domain);
-    int64_t s = slot == NULL ? -1 : PyLong_AsLongLong(slot);
-    if (strict >= 0 && slot != NULL && !PyErr_Occurred()) {
-        /* the store's condition 3 with expected_seq: compare-and-advance in one atomic step */
-        int64_t got = self->advance_if(s, strict);
-        if (!PyErr_Occurred() && got < 0) {
-            /* lost: nothing moved; the Python claim judges again and refuses domain_race */
-            lock_release(lock);
-            result = fall_back_with_payload(self, request, payload, args_json);
-            goto out;
-        }
-        seq_obj = PyErr_Occurred() ? NULL : PyLong_FromLongLong(got);
-    } else if (strict >= 0 && !PyErr_Occurred()) {
-        /* a domain never counted: the Python claim judges expected_seq against the floor */
-        lock_release(lock);
-        result = fall_back_with_payload(self, request, payload, args_json);
-        goto out;
-    } else if (slot != NULL && !PyErr_Occurred()) {
-        int64_t v = self->reserve(s);
-        seq_obj = (v < 0 && PyErr_Occurred()) ? NULL : PyLong_FromLongLong(v);
-    } else if (!PyErr_Occurred()) {
-        seq_obj = PyObject_CallOneArg(self->seqs_reserve, domain); /* a new domain */
-    }
-    if (seq_obj == NULL) {
-        lock_release(lock);
-        goto out;
-    }
-    int64_t tok = bump(self, self->token_slot);
-    PyObject *token = tok < 0 ? NULL : PyLong_FromLongLong(tok);
-    double lease_until = now + self->lease_ttl;
-    PyObject *lease = token == NULL ? NULL : PyFloat_FromDouble(lease_until);
-    if (lease == NULL) {
-        Py_XDECREF(token);
-        Py_DECREF(seq_obj);
-        lock_release(lock);
-        goto out;
-    }
-    PyObject *rv[RC_N] = {Py_NewRef(intent),          Py_NewRef(self->in_flight),
-                          Py_NewRef(token),           Py_NewRef(payload),
-                          Py_NewRef(domain),          Py_NewRef(agent),
-                          Py_NewRef(lease),           Py_NewRef(Py_None),
-                          Py_NewRef(self->zero),      Py_NewRef(self->empty_str),
-                          Py_NewRef(self->zero)};
-    rec_new = acyclic(layout_new(&self->record, rv));
-    PyObject *counts = PyList_GET_ITEM(self->inflight, stripe);
-    PyObject *have = NULL;
-    long long n_in = 0;
-    if (rec_new != NULL && PyDict_CheckExact(counts)) {
-        have = PyDict_GetItemWithError(counts, domain);
-        if (have != NULL) {
-            n_in = PyLong_AsLongLong(have);
-        }
-    }
-    PyObject *n_obj = (rec_new == NULL || PyErr_Occurred() || !PyDict_CheckExact(counts))
-                          ? NULL
-                          : PyLong_FromLongLong(n_in + 1);
-    /* the two writes: the record, then the domain's in-flight count (as claim does) */
-    if (n_obj == NULL || PyDict_SetItem(self->records, intent, rec_new) < 0) {
-        Py_XDECREF(n_obj);
-        Py_DECREF(seq_obj);
-        Py_DECREF(token);
-        Py_DECREF(lease);
-        if (!PyErr_Occurred()) {
-            PyErr_SetString(PyExc_SystemError, "FastPath: store state is not a memory store's");
-        }
-        lock_release(lock);
-        goto out;
-    }
-    if (PyDict_SetItem(counts, domain, n_obj) < 0) {
-        /* cannot leave a record without its count: take the record back out */
-        PyObject *exc_type, *exc_value, *exc_tb;
-        PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
-        if (PyDict_DelItem(self->records, intent) < 0) {
-            PyErr_Clear();
-        }
-        PyErr_Restore(exc_type, exc_value, exc_tb);
-        Py_DECREF(n_obj);
-        Py_DECREF(seq_obj);
-        Py_DECREF(token);
-        Py_DECREF(lease);
-        lock_release(lock);
-        goto out;
-    }
-    Py_DECREF(n_obj);
-    head = PyDict_GetItemWithError(self->heads, domain);
-    if (head == NULL && !PyErr_Occurred()) {
-        head = self->empty_head;
-    }
-    Py_XINCREF(head);
+    rc = claim_locked(self, stripe, intent, domain, agent, payload, strict, &c);
     lock_release(lock);
-    /* claimed: from here on the attempt holds a lease; what remains cannot refuse */
-    if (head == NULL || schedule(self, lease_until, intent, token) < 0) {
-        Py_DECREF(seq_obj);
-        Py_DECREF(token);
-        Py_DECREF(lease);
+    if (rc != 0) {
+        if (rc > 0) {
+            result = fall_back_with_payload(self, request, payload, args_json);
+        }
         goto out;
     }
+    /* claimed: from here on the attempt holds a lease; what remains cannot refuse */
+    if (schedule(self, c.lease_until, intent, c.token) < 0) {
+        goto out;
+    }
+    /* _admit: the ticket's clock, and the last refusal there is (a value no certificate
+     * could record) */
     int at_edge = 0;
-    PyObject *clock = ticket_clock(self, head, known_copy, agent, &at_edge);
-    int64_t seq = PyLong_AsLongLong(seq_obj);
+    PyObject *clock = ticket_clock(self, c.head, known_copy, agent, &at_edge);
+    int64_t seq = PyLong_AsLongLong(c.seq);
     if (clock != NULL && (at_edge || seq > MAX_SAFE_INTEGER || (seq == -1 && PyErr_Occurred()))) {
         PyErr_Clear();
         Py_DECREF(clock);
-        /* the Python _admit releases the claim and refuses: a certificate could not record
-         * this seq or clock (fail closed, before the effect runs) */
-        result = PyObject_CallFunctionObjArgs(self->admit, request, payload, args_json, seq_obj,
-                                              token, lease, head, Py_False, NULL);
-        Py_DECREF(seq_obj);
-        Py_DECREF(token);
-        Py_DECREF(lease);
+        /* the Python _admit releases the claim and refuses (fail closed, before the effect) */
+        result = PyObject_CallFunctionObjArgs(self->admit, request, payload, args_json, c.seq,
+                                              c.token, c.lease, c.head, Py_False, NULL);
         goto out;
     }
     PyObject *tparent = parent;
     if (parent == Py_None) {
-        tparent = SLOT(head, self->head, HD_HASH);
+        tparent = SLOT(c.head, self->head, HD_HASH);
         if (tparent == NULL) {
             tparent = Py_None;
         }
     }
-    PyObject *tv[TK_N] = {Py_NewRef(intent),   Py_NewRef(domain),   seq_obj,
-                          token,               Py_NewRef(agent),    Py_NewRef(tool),
+    PyObject *tv[TK_N] = {Py_NewRef(intent),   Py_NewRef(domain),   Py_NewRef(c.seq),
+                          Py_NewRef(c.token),  Py_NewRef(agent),    Py_NewRef(tool),
                           Py_NewRef(args),     Py_NewRef(read_set), Py_NewRef(tparent),
-                          clock,               Py_NewRef(expected), lease,
+                          clock,               Py_NewRef(expected), Py_NewRef(c.lease),
                           Py_NewRef(payload),  Py_NewRef(args_json)};
     PyObject *ticket = layout_new(&self->ticket, tv);
     if (ticket == NULL) {
@@ -1361,9 +1368,8 @@ static PyObject *fp_prepare(FastPath *self, PyObject *request) {
         Py_CLEAR(result);
     }
 out:
+    claim_clear(&c);
     Py_XDECREF(known_copy);
-    Py_XDECREF(head);
-    Py_XDECREF(rec_new);
     Py_XDECREF(payload);
     Py_XDECREF(args_json);
     for (int i = 0; i < n_owned; i++) {
@@ -1515,6 +1521,98 @@ through_hashlib:;
     return hex;
 }
 
+/* The domain's new head: this certificate's hash, and the old head's clock merged with the
+ * certificate's clock (MemoryStore.complete, under heads_lock).  0 or -1. */
+static int advance_head(FastPath *self, PyObject *domain, PyObject *hash, PyObject *vc) {
+    if (lock_acquire(self->heads_lock) < 0) {
+        return -1;
+    }
+    PyObject *old = PyDict_GetItemWithError(self->heads, domain);
+    if (old == NULL && !PyErr_Occurred()) {
+        old = self->empty_head;
+    }
+    PyObject *old_clock = old == NULL ? NULL : SLOT(old, self->head, HD_CLOCK);
+    if (old != NULL && (old_clock == NULL || !PyDict_Check(old_clock))) {
+        old_clock = NULL;
+        PyErr_SetString(PyExc_SystemError, "FastPath: a domain head without a clock");
+    }
+    PyObject *merged = old_clock == NULL ? NULL : PyDict_Copy(old_clock);
+    Py_ssize_t pos = 0;
+    PyObject *a, *n;
+    while (merged != NULL && PyDict_Next(vc, &pos, &a, &n)) {
+        if (merge_max(self, merged, a, n) < 0) {
+            Py_CLEAR(merged);
+        }
+    }
+    PyObject *hv[2] = {Py_NewRef(hash), merged};
+    PyObject *new_head = acyclic(layout_new(&self->head, hv)); /* NULL merged: an error */
+    int rc = new_head == NULL ? -1 : PyDict_SetItem(self->heads, domain, new_head);
+    Py_XDECREF(new_head);
+    lock_release(self->heads_lock);
+    return rc;
+}
+
+/* MemoryStore.complete for a ticket without a read set; the caller holds the intent's
+ * stripe lock.  0: done (record DONE, in-flight count down, head advanced).  1: the record
+ * moved, or a strict ticket's domain did: nothing changed, the Python commit judges (and
+ * fails the intent for a moved domain).  -1: an error. */
+static int complete_locked(FastPath *self, Py_ssize_t stripe, PyObject *intent, PyObject *token,
+                           PyObject **tk, PyObject *cert, PyObject *vc, PyObject *until_obj) {
+    /* the condition (in flight, this token) judged again, where the write happens */
+    PyObject *cur = PyDict_GetItemWithError(self->records, intent);
+    PyObject *cur_domain = NULL;
+    int ok = cur != NULL && holds_lease(self, cur, token) == 1 &&
+             (cur_domain = SLOT(cur, self->record, RC_DOMAIN)) != NULL &&
+             (tk[TK_EXPECTED] == Py_None || own_seq_holds(self, cur_domain, tk[TK_SEQ]) == 1);
+    if (PyErr_Occurred()) {
+        return -1;
+    }
+    if (!ok) {
+        return 1;
+    }
+    PyObject *counts = PyList_GET_ITEM(self->inflight, stripe);
+    PyObject *have = PyDict_GetItemWithError(counts, cur_domain);
+    long long n_in = have == NULL ? -1 : PyLong_AsLongLong(have);
+    if (have == NULL || n_in < 1) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_SystemError,
+                            "FastPath: an in-flight record without its in-flight count");
+        }
+        return -1;
+    }
+    PyObject *n_obj = n_in > 1 ? PyLong_FromLongLong(n_in - 1) : NULL;
+    PyObject *rv[RC_N] = {Py_NewRef(intent),
+                          Py_NewRef(self->done),
+                          Py_NewRef(token),
+                          Py_XNewRef(SLOT(cur, self->record, RC_FP)),
+                          Py_NewRef(cur_domain),
+                          Py_XNewRef(SLOT(cur, self->record, RC_AGENT)),
+                          Py_NewRef(self->zero),
+                          Py_NewRef(cert),
+                          Py_NewRef(until_obj),
+                          Py_NewRef(self->empty_str),
+                          Py_NewRef(self->zero)};
+    PyObject *record = acyclic(layout_new(&self->record, rv));
+    if (record == NULL || (n_in > 1 && n_obj == NULL)) {
+        Py_XDECREF(n_obj);
+        Py_XDECREF(record);
+        return -1;
+    }
+    Py_INCREF(cur_domain); /* the old record may die at the next line */
+    int rc = PyDict_SetItem(self->records, intent, record);
+    Py_DECREF(record);
+    if (rc == 0) {
+        rc = n_in > 1 ? PyDict_SetItem(counts, cur_domain, n_obj)
+                      : PyDict_DelItem(counts, cur_domain);
+    }
+    Py_XDECREF(n_obj);
+    if (rc == 0) {
+        rc = advance_head(self, cur_domain, PyTuple_GET_ITEM(cert, CERT_ITEMS - 1), vc);
+    }
+    Py_DECREF(cur_domain);
+    return rc;
+}
+
 static PyObject *fp_commit_owned(FastPath *self, PyObject *ticket, PyObject *result,
                                  PyObject **tk);
 
@@ -1616,7 +1714,7 @@ static PyObject *fp_commit_owned(FastPath *self, PyObject *ticket, PyObject *res
     Py_DECREF(result_json);
     Py_DECREF(digest);
     /* the certificate owns its own copy of the clock (vc); the head merges from it */
-    PyObject *out = NULL, *rec_new = NULL, *until_obj = NULL;
+    PyObject *out = NULL, *until_obj = NULL;
     double now;
     if (now_of(self, &now) < 0) {
         goto done;
@@ -1631,89 +1729,12 @@ static PyObject *fp_commit_owned(FastPath *self, PyObject *ticket, PyObject *res
     if (lock == NULL) {
         goto done;
     }
-    /* the store's complete: condition (in flight, this token) judged again under the lock */
-    PyObject *cur = PyDict_GetItemWithError(self->records, intent);
-    PyObject *cur_domain = NULL;
-    int ok = cur != NULL && holds_lease(self, cur, token) == 1 &&
-             (cur_domain = SLOT(cur, self->record, RC_DOMAIN)) != NULL &&
-             (tk[TK_EXPECTED] == Py_None || own_seq_holds(self, cur_domain, tk[TK_SEQ]) == 1);
-    if (!ok || PyErr_Occurred()) {
-        lock_release(lock);
-        if (!PyErr_Occurred()) {
+    rc = complete_locked(self, stripe, intent, token, tk, cert, vc, until_obj);
+    lock_release(lock);
+    if (rc != 0) {
+        if (rc > 0) {
             out = fall_back_commit(self, ticket, result); /* moved meanwhile: Python judges */
         }
-        goto done;
-    }
-    PyObject *counts = PyList_GET_ITEM(self->inflight, stripe);
-    PyObject *have = PyDict_CheckExact(counts) ? PyDict_GetItemWithError(counts, cur_domain)
-                                               : NULL;
-    long long n_in = have == NULL ? -1 : PyLong_AsLongLong(have);
-    if (have == NULL || n_in < 1) {
-        if (!PyErr_Occurred()) {
-            PyErr_SetString(PyExc_SystemError,
-                            "FastPath: an in-flight record without its in-flight count");
-        }
-        lock_release(lock);
-        goto done;
-    }
-    PyObject *n_obj = n_in > 1 ? PyLong_FromLongLong(n_in - 1) : NULL;
-    PyObject *rv[RC_N] = {Py_NewRef(intent),
-                          Py_NewRef(self->done),
-                          Py_NewRef(token),
-                          Py_NewRef(SLOT(cur, self->record, RC_FP)),
-                          Py_NewRef(cur_domain),
-                          Py_XNewRef(SLOT(cur, self->record, RC_AGENT)),
-                          Py_NewRef(self->zero),
-                          Py_NewRef(cert),
-                          Py_NewRef(until_obj),
-                          Py_NewRef(self->empty_str),
-                          Py_NewRef(self->zero)};
-    rec_new = acyclic(layout_new(&self->record, rv));
-    if (rec_new == NULL || (n_in > 1 && n_obj == NULL)) {
-        Py_XDECREF(n_obj);
-        lock_release(lock);
-        goto done;
-    }
-    Py_INCREF(cur_domain); /* the old record may die at the next line */
-    rc = PyDict_SetItem(self->records, intent, rec_new);
-    if (rc == 0) {
-        rc = n_in > 1 ? PyDict_SetItem(counts, cur_domain, n_obj)
-                      : PyDict_DelItem(counts, cur_domain);
-    }
-    Py_XDECREF(n_obj);
-    /* the domain's head: what the next effect on it builds on */
-    if (rc == 0 && lock_acquire(self->heads_lock) == 0) {
-        PyObject *old = PyDict_GetItemWithError(self->heads, cur_domain);
-        if (old == NULL && !PyErr_Occurred()) {
-            old = self->empty_head;
-        }
-        PyObject *old_clock = old == NULL ? NULL : SLOT(old, self->head, HD_CLOCK);
-        if (old != NULL && (old_clock == NULL || !PyDict_Check(old_clock))) {
-            old_clock = NULL;
-            PyErr_SetString(PyExc_SystemError, "FastPath: a domain head without a clock");
-        }
-        PyObject *merged = old_clock == NULL ? NULL : PyDict_Copy(old_clock);
-        Py_ssize_t pos = 0;
-        PyObject *a, *n;
-        while (merged != NULL && PyDict_Next(vc, &pos, &a, &n)) {
-            if (merge_max(self, merged, a, n) < 0) {
-                Py_CLEAR(merged);
-            }
-        }
-        PyObject *hv[2] = {Py_NewRef(PyTuple_GET_ITEM(cert, CERT_ITEMS - 1)), merged};
-        PyObject *new_head = merged == NULL ? NULL : acyclic(layout_new(&self->head, hv));
-        if (merged == NULL) {
-            Py_DECREF(hv[0]);
-        }
-        rc = new_head == NULL ? -1 : PyDict_SetItem(self->heads, cur_domain, new_head);
-        Py_XDECREF(new_head);
-        lock_release(self->heads_lock);
-    } else {
-        rc = -1;
-    }
-    Py_DECREF(cur_domain);
-    lock_release(lock);
-    if (rc < 0) {
         goto done;
     }
     if (until < INFINITY && schedule(self, until, intent, token) < 0) {
@@ -1732,7 +1753,6 @@ static PyObject *fp_commit_owned(FastPath *self, PyObject *ticket, PyObject *res
     out = Py_NewRef(cert);
 done:
     Py_XDECREF(until_obj);
-    Py_XDECREF(rec_new);
     Py_DECREF(cert);
     Py_DECREF(vc);
     return out;

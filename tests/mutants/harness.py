@@ -342,9 +342,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "c-claim-without-recheck",
         "G1",
         "csrc/effectfence_speedups.c",
-        "    rec = PyDict_GetItemWithError(self->records, intent);\n"
+        "    PyObject *rec = PyDict_GetItemWithError(self->records, intent);\n"
         "    if (rec != NULL || PyErr_Occurred()) {\n",
-        "    rec = NULL;\n    if (PyErr_Occurred()) {\n",
+        "    PyObject *rec = NULL;\n    if (PyErr_Occurred()) {\n",
         (
             "tests/test_speedups.py::"
             "test_claim_rechecks_under_the_lock_when_another_claim_gets_in_first",
