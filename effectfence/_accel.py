@@ -10,6 +10,7 @@ makes a missing accelerator an error instead of a quiet slowdown.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from typing import Any, Final
@@ -47,10 +48,9 @@ else:
 
 
 _SHA256_CHECKS = (b"", b"abc", bytes(range(256)) * 3)
-_sha256_address: int | None = None
-_sha256_looked = False
 
 
+@functools.cache
 def openssl_sha256_address() -> int:
     """Address of OpenSSL's one-shot ``SHA256(data, len, out)`` in the libcrypto that hashlib
     already loaded, or 0 when it can't be found or doesn't agree with hashlib.
@@ -58,12 +58,8 @@ def openssl_sha256_address() -> int:
     A certificate's hash through hashlib is two Python calls and two context allocations,
     most of a commit's cost; the C path calls the same OpenSSL routine directly instead.
     Linux only (the loaded library is found in /proc/self/maps); elsewhere, and whenever
-    the self-check fails, the C path keeps calling hashlib.
+    the self-check fails, the C path keeps calling hashlib. Looked up once per process.
     """
-    global _sha256_address, _sha256_looked
-    if _sha256_looked:
-        return _sha256_address or 0
-    _sha256_looked = True
     try:
         import _hashlib  # noqa: F401  (loads libcrypto, if hashlib uses OpenSSL)
         import ctypes
@@ -81,8 +77,6 @@ def openssl_sha256_address() -> int:
             fn(data, len(data), out)
             if out.raw != hashlib.sha256(data).digest():
                 return 0
-        address = ctypes.cast(fn, ctypes.c_void_p).value
+        return ctypes.cast(fn, ctypes.c_void_p).value or 0
     except (ImportError, OSError, AttributeError, ValueError):
         return 0
-    _sha256_address = address or None
-    return address or 0

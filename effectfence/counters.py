@@ -489,6 +489,8 @@ def new_table(backend: str | None = None) -> CounterTable:
 
 def backend_info() -> dict[str, object]:
     """What ``effectfence info`` and the stats report about the counter backend."""
+    from effectfence import _accel  # imports this module: resolved at call time
+
     return {
         "backend": BACKEND,
         "forced": os.environ.get(ENV_VAR, "").strip().lower() or None,
@@ -500,18 +502,6 @@ def backend_info() -> dict[str, object]:
         "max_value": MAX_VALUE,
         # the CPython accelerator (canonical JSON, the memory fence's common paths): on
         # with the atomic table, off with EFFECTFENCE_COUNTERS=pure (effectfence._accel)
-        "speedups": _speedups_loaded(),
-        "speedups_off_reason": _speedups_reason(),
+        "speedups": _accel.speedups is not None,
+        "speedups_off_reason": _accel.import_error,
     }
-
-
-def _speedups_loaded() -> bool:
-    from effectfence import _accel  # imports this module: resolved at call time
-
-    return _accel.speedups is not None
-
-
-def _speedups_reason() -> str | None:
-    from effectfence import _accel
-
-    return _accel.import_error
