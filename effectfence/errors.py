@@ -77,7 +77,7 @@ class Refusal(FenceError):
         self.details: dict[str, Any] = details
 
     def to_payload(self) -> dict[str, Any]:
-        """The typed payload of DESIGN.md: code, message, retryable, recover, details."""
+        """The typed payload of docs/design.md: code, message, retryable, recover, details."""
         details: dict[str, Any] = {
             k: v
             for k, v in (

@@ -1,4 +1,4 @@
-"""The intent state machine of DESIGN.md, as data. Sans-IO: no clocks, no stores, no threads.
+"""The intent state machine of docs/design.md, as data. Sans-IO: no clocks, no stores, no threads.
 
 Theory of operation
 -------------------
@@ -86,7 +86,7 @@ class State(Enum):
 
 
 class Row(Enum):
-    """A record as seen at one instant: the rows of the DESIGN.md state table."""
+    """A record as seen at one instant: the rows of the docs/design.md state table."""
 
     ABSENT = "absent"
     IN_FLIGHT_LIVE = "in_flight"

@@ -176,6 +176,7 @@ def _backend(py: Path, cwd: Path) -> str:
     assert r.returncode == 0, r.stderr
     backend, speedups, path = r.stdout.split()
     assert str(ROOT) not in path, "imported the source tree, not the install"
+    assert (Path(path).parent / "py.typed").is_file(), "PEP 561 marker missing from the install"
     compiled = "True" if backend == "atomic" else "False"
     assert speedups == compiled, r.stdout
     return backend

@@ -1,4 +1,4 @@
-"""The guarantees G1-G10 of DESIGN.md, each with a test that fails when its guard goes.
+"""The guarantees G1-G10 of docs/design.md, each with a test that fails when its guard goes.
 
 Every test runs on every store in ``conftest.STORES`` (both counter tables included).
 Collisions are forced with ``threading.Barrier``; time moves only through the fake clock.

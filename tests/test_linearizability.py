@@ -12,7 +12,7 @@ only over operations that no pending operation must precede, memoised on the rem
 and the model state) must find a sequential order consistent with real-time order ("a
 responded before b was invoked" means a comes first) that the reference model accepts.
 
-The reference model is DESIGN.md's state table for one intent with a frozen clock (leases
+The reference model is docs/design.md's state table for one intent with a frozen clock (leases
 never lapse here: the takeover paths are covered by the stateful and chaos suites). Tokens
 must grow along the order; a replay must return the hash that the commit in the order made.
 """

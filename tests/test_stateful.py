@@ -1,4 +1,4 @@
-"""Stateful model checking: the fence against a small reference model of DESIGN.md.
+"""Stateful model checking: the fence against a small reference model of docs/design.md.
 
 A hypothesis ``RuleBasedStateMachine`` drives the fence with prepare / commit / abort /
 release / renew / clear / sweep / evict, moves the injected clock past leases and TTLs, and
@@ -6,7 +6,7 @@ keeps every ticket it was ever given (superseded ones included) to replay them l
 every step the fence must agree with the model: every intent's state, token, certificate and
 reason; every domain's seq; the number of records held; the statistics buckets.
 
-The model is written from DESIGN.md's state table, not from ``effectfence.protocol``: it
+The model is written from docs/design.md's state table, not from ``effectfence.protocol``: it
 imports nothing of the fence's decision logic, so a wrong table in the core cannot agree with
 itself here.
 
@@ -173,7 +173,7 @@ class FenceMachine(RuleBasedStateMachine):
                 return multiple()
             raise AssertionError(f"{row}/{mode}: expected {exc.__name__}, got {got!r}")
 
-        # DESIGN.md's prepare column, row by row
+        # docs/design.md's prepare column, row by row
         if row == "in_flight":
             return expect_refusal(
                 IntentInFlight if same else IntentConflict,
@@ -437,7 +437,7 @@ def test_evict_refused_while_in_flight_after_other_evictions(store_kind: str) ->
     """Regression found by the machine above: in-flight accounting vs. the eviction floor.
 
     Attempts A, B, C are in flight on d; another domain e is used and evicted; then A
-    commits. B and C are still in flight, so evicting d must be refused (DESIGN.md, Domains).
+    commits. B and C are still in flight, so evicting d must be refused (docs/design.md, Domains).
     """
     clock = FakeClock()
     fence = EffectFence(
@@ -472,7 +472,7 @@ def test_evict_allowed_when_idle_after_other_evictions(store_kind: str) -> None:
     assert fence.evict_domain("d") == t.seq
 
 
-# -- the state table, row by row (scripted: every cell of DESIGN.md's table) ----------------------
+# -- the state table, row by row (scripted: every cell of docs/design.md's table) --------------
 
 ROWS = ("absent", "in_flight", "in_flight_lapsed", "done", "done_expired", "failed")
 OTHER_PAYLOADS = {
@@ -584,13 +584,16 @@ def test_state_table_old_token_after_takeover(store_kind: str, op: str) -> None:
     new = fence.prepare(SAME)
     assert new.fresh and new.takeover and new.ticket.token > old.token
     before = _snapshot(fence)
-    with pytest.raises(LeaseLost):
+    with pytest.raises(LeaseLost) as info:
         {
             "commit": lambda: fence.commit(old, "zombie"),
             "abort": lambda: fence.abort(old, "zombie"),
             "release": lambda: fence.release(old),
             "renew": lambda: fence.renew(old),
         }[op]()
+    # the refusal says why: whose token is current now (the ticket table's row, G2)
+    assert f"current token {new.ticket.token}" in info.value.message, info.value.message
+    assert info.value.token == old.token
     assert _snapshot(fence) == before
     assert fence.commit(new.ticket, "ok").agent == "bob"
 

@@ -108,6 +108,8 @@ class MemoryStore(FenceStore):
         self._wheel_lock = threading.Lock()
         # the first bucket that is not yet due, as a deadline: a one-compare "anything due?"
         self._next_due = math.inf
+        # (bucket, position) of a due bucket a limited sweep stopped in
+        self._partial: tuple[list[tuple[str, int]], int] | None = None
 
     # -- helpers --------------------------------------------------------------------------
     def now(self) -> float:
@@ -147,7 +149,8 @@ class MemoryStore(FenceStore):
                     if bucket is None:
                         bucket = self._wheel[b] = []
                         heapq.heappush(self._due, b)
-                        self._next_due = self._due[0] * self._g
+                        if self._partial is None:
+                            self._next_due = self._due[0] * self._g
             bucket.append(entry)
             # A sweep may have taken this bucket between the lookup and the append (only if
             # the deadline is already due); then the entry went to a list nobody reads:
@@ -445,21 +448,25 @@ class MemoryStore(FenceStore):
         g = self._g
         while True:
             with self._wheel_lock:
-                if not self._due or self._due[0] * g > now:
+                part = self._partial
+                if part is not None:  # a bucket an earlier, limited sweep did not finish
+                    self._partial = None
+                    bucket, start = part
+                elif not self._due or self._due[0] * g > now:
                     self._next_due = self._due[0] * g if self._due else math.inf
                     break
-                b = heapq.heappop(self._due)
-                bucket = self._wheel.pop(b, [])
-                self._next_due = self._due[0] * g if self._due else math.inf
-            # every deadline in bucket b is <= b * g <= now: all are due
-            for i, (intent, token) in enumerate(bucket):
+                else:
+                    b = heapq.heappop(self._due)
+                    bucket, start = self._wheel.pop(b, []), 0
+                    self._next_due = self._due[0] * g if self._due else math.inf
+            # every deadline in a popped bucket is <= its end <= now: all are due
+            for i in range(start, len(bucket)):
                 if limit is not None and visited >= limit:
-                    rest = bucket[i:]
-                    with self._wheel_lock:
-                        self._wheel.setdefault(b, []).extend(rest)
-                        heapq.heappush(self._due, b)
-                        self._next_due = self._due[0] * g
+                    with self._wheel_lock:  # keep the rest, O(1): resume here next time
+                        self._partial = (bucket, i)
+                        self._next_due = now
                     return reclaimed
+                intent, token = bucket[i]
                 visited += 1
                 stripe = hash(intent) & self._mask
                 with self._locks[stripe]:

@@ -5,8 +5,11 @@ harness copies ``effectfence/`` (C extension ``.so`` included), ``tests/`` and t
 configuration to a temporary directory, replaces the snippet there (the snippet must occur
 exactly once: a harness whose snippets no longer exist fails instead of rotting silently),
 and runs only the killing tests in a subprocess whose working directory is the copy, so the
-mutated package is the one imported. A mutant is *killed* when pytest exits 1 with at least
+mutated package is the one imported, once in each build: compiled (``EFFECTFENCE_COUNTERS=
+atomic``) and pure. A mutant is *killed* when, in every build, pytest exits 1 with at least
 one of the named tests reported FAILED; an import error or a missing test does not count.
+Each rule has one copy (docs/design.md), so a mutant of a Python rule must change the
+compiled build's behaviour too: a second copy in C would let it survive there.
 
 Run by ``tests/test_mutants.py``, or by hand::
 
@@ -48,20 +51,7 @@ def _both(node: str) -> tuple[str, ...]:
 
 
 MUTANTS: tuple[Mutant, ...] = (
-    # -- the six named in the issue ---------------------------------------------------------
-    Mutant(
-        "commit-without-token-check",
-        "G2",
-        "effectfence/store/memory.py",
-        "            if cur is None or cur.state is not _IN_FLIGHT or cur.token != token:\n"
-        "                return CommitResult(False, current=cur)",
-        "            if cur is None or cur.state is not _IN_FLIGHT:\n"
-        "                return CommitResult(False, current=cur)",
-        _both(
-            "tests/test_chaos.py::test_interleaved_takeover_fences_the_old_ticket[{store}-complete]"
-        ),
-        "drop the token comparison at commit (store step)",
-    ),
+    # -- the rules, each written once in effectfence/protocol.py ------------------------------
     Mutant(
         "replay-without-payload-check",
         "G4",
@@ -72,26 +62,83 @@ MUTANTS: tuple[Mutant, ...] = (
         "a duplicate with another payload gets the recorded cert",
     ),
     Mutant(
-        "release-by-key",
-        "G7",
-        "effectfence/store/memory.py",
-        "    def release(self, intent: str, token: int) -> tuple[bool, IntentRecord | None]:\n"
-        "        return self._finish(intent, token, None)",
-        "    def release(self, intent: str, token: int) -> tuple[bool, IntentRecord | None]:\n"
-        "        with self._lock(intent):\n"
-        "            cur = self._records.pop(intent, None)\n"
-        "        return cur is not None, cur",
+        "done-not-replayed",
+        "G3",
+        "effectfence/protocol.py",
+        "    (Row.DONE_LIVE, True): Action.REPLAY,",
+        "    (Row.DONE_LIVE, True): Action.CLAIM,",
+        _both("tests/test_stateful.py::test_state_table_prepare_same_payload[{store}-done]"),
+        "a duplicate of a committed intent is not given the cert",
+    ),
+    Mutant(
+        "live-lease-taken-over",
+        "G1",
+        "effectfence/protocol.py",
+        "    (Row.IN_FLIGHT_LIVE, True): Action.REFUSE_IN_FLIGHT,",
+        "    (Row.IN_FLIGHT_LIVE, True): Action.TAKEOVER,",
+        _both("tests/test_stateful.py::test_state_table_prepare_same_payload[{store}-in_flight]"),
+        "a duplicate takes over a live lease: two holders run the effect",
+    ),
+    Mutant(
+        "lapsed-lease-taken-with-other-payload",
+        "G4",
+        "effectfence/protocol.py",
+        "    (Row.IN_FLIGHT_LAPSED, False): Action.REFUSE_CONFLICT,",
+        "    (Row.IN_FLIGHT_LAPSED, False): Action.TAKEOVER,",
         _both(
-            "tests/test_chaos.py::test_interleaved_takeover_fences_the_old_ticket[{store}-release]"
+            "tests/test_stateful.py::test_state_table_prepare_other_payload"
+            "[{store}-in_flight_lapsed-args]"
         ),
-        "release deletes the record by key, not compare-and-delete by token",
+        "another payload may take over a lapsed lease",
+    ),
+    Mutant(
+        "abort-frees-intent",
+        "G9",
+        "effectfence/protocol.py",
+        "    (Row.FAILED, True): Action.REFUSE_FAILED,",
+        "    (Row.FAILED, True): Action.REPLAY,",
+        _both("tests/test_stateful.py::test_state_table_prepare_same_payload[{store}-failed]"),
+        "a failed intent answers duplicates instead of fencing them",
+    ),
+    Mutant(
+        "old-token-allowed",
+        "G2",
+        "effectfence/protocol.py",
+        "    (Row.IN_FLIGHT_LIVE, False): TicketVerdict.LEASE_LOST,",
+        "    (Row.IN_FLIGHT_LIVE, False): TicketVerdict.ALLOW,",
+        _both("tests/test_stateful.py::test_state_table_old_token_after_takeover[{store}-commit]"),
+        "the ticket table lets a superseded token through",
+    ),
+    Mutant(
+        "recommit-any-result",
+        "G3",
+        "effectfence/protocol.py",
+        "    if cert is not None and cert.result_json == result_json:",
+        "    if cert is not None:",
+        _both(
+            "tests/test_one_decider.py::"
+            "test_commit_retried_with_another_result_is_lease_lost[{store}]"
+        ),
+        "a commit retried with another result is told it succeeded",
+    ),
+    Mutant(
+        "recommit-refused",
+        "G3",
+        "effectfence/protocol.py",
+        "    (Row.DONE_LIVE, True): TicketVerdict.COMMITTED,",
+        "    (Row.DONE_LIVE, True): TicketVerdict.LEASE_LOST,",
+        _both(
+            "tests/test_one_decider.py::"
+            "test_commit_retried_with_the_same_result_gets_the_same_certificate[{store}]"
+        ),
+        "the ticket that committed is told lease_lost when it asks again (it did succeed)",
     ),
     Mutant(
         "commit-skips-read-set",
         "G6",
-        "effectfence/fence.py",
-        "            ticket.intent, ticket.token, cert, until, read_set=others, own_seq=own_seq",
-        "            ticket.intent, ticket.token, cert, until, read_set=(), own_seq=own_seq",
+        "effectfence/protocol.py",
+        "        others = tuple((d, s) for d, s in read_set if d != domain)\n",
+        "        others = ()\n",
         (
             *_both(
                 "tests/test_chaos.py::test_interleaved_read_set_moves_while_committing[{store}]"
@@ -100,6 +147,228 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         "skip read-set re-validation at commit",
     ),
+    Mutant(
+        "own-seq-not-rechecked",
+        "G6",
+        "effectfence/protocol.py",
+        "    return others, (seq if strict else None)",
+        "    return others, None",
+        _both("tests/test_chaos.py::test_interleaved_expected_seq_moves_while_committing[{store}]"),
+        "expected_seq is not re-validated at commit",
+    ),
+    Mutant(
+        "expected-seq-ignored",
+        "G6",
+        "effectfence/protocol.py",
+        "        return (), expected_seq, None",
+        "        return (), None, None",
+        _both(
+            "tests/test_chaos.py::test_forced_domain_race_exactly_one_winner_every_trial[{store}]"
+        ),
+        "strict OCC: the compare-exchange becomes a plain reservation",
+    ),
+    Mutant(
+        "read-set-unchecked-at-prepare",
+        "G6",
+        "effectfence/protocol.py",
+        "            others.append((d, s))",
+        "            pass",
+        _both("tests/test_stateful.py::test_read_set_checked_at_prepare_and_commit[{store}]"),
+        "the read set is not compared at prepare",
+    ),
+    Mutant(
+        "own-read-set-entry-not-atomic",
+        "G6",
+        "effectfence/protocol.py",
+        "    return tuple(others), expected_seq if expected_seq is not None else own, None",
+        "    return (*others, *([(domain, own)] if own is not None else [])), expected_seq, None",
+        tuple(
+            "tests/test_regressions.py::"
+            f"test_own_domain_read_set_is_checked_atomically_with_the_reservation[{k}]"
+            for k in ("atomic", "pure")
+        ),
+        "a read-set entry on the claim's own domain is compared apart from the reservation",
+    ),
+    Mutant(
+        "sweep-reclaims-lapsed-at-once",
+        "G2",
+        "effectfence/protocol.py",
+        "        return ttl + lapsed_grace",
+        "        return ttl",
+        _both(
+            "tests/test_regressions.py::"
+            "test_lapsed_holder_not_taken_over_can_commit_despite_auto_sweep[{store}]"
+        ),
+        "a lapsed lease its holder could still commit is reclaimed at once",
+    ),
+    Mutant(
+        "sweep-reclaims-failed",
+        "G9",
+        "effectfence/protocol.py",
+        "    return math.inf\n",
+        "    return ttl\n",
+        _both("tests/test_stateful.py::test_sweep_reclaims_exactly_the_expired[{store}]"),
+        "an aborted (unknown) intent is freed by the sweeper",
+    ),
+    Mutant(
+        "result-outlives-ttl",
+        "G8",
+        "effectfence/protocol.py",
+        "        return _DONE_LIVE if now < record.until else _DONE_EXPIRED",
+        "        return _DONE_LIVE",
+        _both("tests/test_fence.py::test_g1_record_retained_until_result_ttl[{store}]"),
+        "a result past its result_ttl is still replayed (and never claimable again)",
+    ),
+    # -- the decider (effectfence/fence.py) ---------------------------------------------------
+    Mutant(
+        "fingerprint-ignores-domain",
+        "G4",
+        "effectfence/fence.py",
+        "                    b',\"domain\":',\n                    name_bytes(domain),\n",
+        "",
+        _both(
+            "tests/test_stateful.py::test_state_table_prepare_other_payload[{store}-done-domain]"
+        ),
+        "the canonical fingerprint leaves out the domain",
+    ),
+    Mutant(
+        "no-auto-sweep",
+        "G8",
+        "effectfence/fence.py",
+        "        if self._auto:\n            if now >= self._sweep_due:",
+        "        if False:\n            if now >= self._sweep_due:",
+        _both("tests/test_stateful.py::test_auto_sweep_bounds_memory[{store}]"),
+        "expired records are only reclaimed when someone calls sweep()",
+    ),
+    Mutant(
+        "no-reaping",
+        "G8",
+        "effectfence/fence.py",
+        "                self.sweep(REAP_BATCH)",
+        "                pass",
+        _both("tests/test_one_decider.py::test_reclaiming_keeps_pace_at_any_rate[{store}]"),
+        "reclaiming runs only on the sweep interval: at high rates memory grows",
+    ),
+    Mutant(
+        "admit-clock-at-edge",
+        "G1",
+        "effectfence/fence.py",
+        "        if seq > MAX_SAFE_INTEGER or counters[agent] > MAX_SAFE_INTEGER:\n",
+        "        if seq > MAX_SAFE_INTEGER:\n",
+        _both(
+            "tests/test_regressions.py::"
+            "test_clock_at_the_edge_is_refused_at_prepare_not_after_the_effect_ran[{store}]"
+        ),
+        "a ticket whose clock a certificate cannot encode is admitted: it runs, never commits",
+    ),
+    Mutant(
+        "commit-ignores-ticket-verdict",
+        "G2",
+        "effectfence/fence.py",
+        "        if verdict is not _ALLOW and verdict is not _COMMITTED:\n",
+        "        if False:\n",
+        _both("tests/test_stateful.py::test_state_table_ticket_ops[{store}-absent-commit]"),
+        "ticket operations skip the judge and rely on the store alone",
+    ),
+    # -- the store's compare-and-set steps (effectfence/store/memory.py) ----------------------
+    Mutant(
+        "commit-without-token-check",
+        "G2",
+        "effectfence/store/memory.py",
+        "            if cur is None or cur.state is not _IN_FLIGHT or cur.token != token:\n"
+        "                return Step(MOVED, found=cur)\n"
+        "            stale = self._compare(compare) if compare else None",
+        "            if cur is None or cur.state is not _IN_FLIGHT:\n"
+        "                return Step(MOVED, found=cur)\n"
+        "            stale = self._compare(compare) if compare else None",
+        _both(
+            "tests/test_chaos.py::test_interleaved_takeover_fences_the_old_ticket[{store}-complete]"
+        ),
+        "drop the token comparison of the complete step",
+    ),
+    Mutant(
+        "release-by-key",
+        "G7",
+        "effectfence/store/memory.py",
+        "        return self._finish(intent, token, lambda cur: None)",
+        "        with self._locks[self._stripe(intent)]:\n"
+        "            cur = self._records.pop(intent, None)\n"
+        "        return Step(APPLIED if cur is not None else MOVED, None, cur)",
+        _both(
+            "tests/test_chaos.py::test_interleaved_takeover_fences_the_old_ticket[{store}-release]"
+        ),
+        "release deletes the record by key, not compare-and-delete by token",
+    ),
+    Mutant(
+        "claim-overwrites-live-record",
+        "G1",
+        "effectfence/store/memory.py",
+        "            if cur is not expect:\n",
+        "            if False:\n",
+        _both("tests/test_chaos.py::test_interleaved_duplicate_claim_admits_exactly_one[{store}]"),
+        "the claim step does not compare the slot with the record the decider observed",
+    ),
+    Mutant(
+        "takeover-keeps-old-token",
+        "G2",
+        "effectfence/store/memory.py",
+        "            token = self._tokens.reserve_slot(self._token_slot)\n"
+        "            lease_until = now + lease_ttl\n",
+        "            token = (\n"
+        "                cur.token\n"
+        "                if cur is not None and cur.state is _IN_FLIGHT\n"
+        "                else self._tokens.reserve_slot(self._token_slot)\n"
+        "            )\n"
+        "            lease_until = now + lease_ttl\n",
+        (
+            *_both(
+                "tests/test_stateful.py::test_state_table_old_token_after_takeover[{store}-commit]"
+            ),
+            *_both(
+                "tests/test_chaos.py::test_interleaved_takeover_between_takeover_and_claim[{store}]"
+            ),
+        ),
+        "a takeover keeps the old token: the old ticket is not fenced",
+    ),
+    Mutant(
+        "evict-while-in-flight",
+        "G5",
+        "effectfence/store/memory.py",
+        "            busy = self.in_flight(domain)\n            if busy:",
+        "            busy = self.in_flight(domain)\n            if False:",
+        _both("tests/test_stateful.py::test_evict_refused_while_in_flight[{store}]"),
+        "evict_domain does not check for attempts in flight",
+    ),
+    Mutant(
+        "store-reserve-ignores-cas",
+        "G6",
+        "effectfence/store/memory.py",
+        "            if reserve_at is None:\n                seq = seqs.reserve(domain)",
+        "            if True:\n                seq = seqs.reserve(domain)",
+        _both(
+            "tests/test_chaos.py::test_forced_domain_race_exactly_one_winner_every_trial[{store}]"
+        ),
+        "the claim step reserves the next seq whatever seq it was told to compare",
+    ),
+    Mutant(
+        "lost-race-creates-domain",
+        "G7",
+        "effectfence/store/memory.py",
+        "                if seqs.find(domain) < 0:",
+        "                if False:",
+        _both("tests/test_stateful.py::test_refused_prepares_leave_no_trace[{store}]"),
+        "a prepare refused domain_race leaves a new domain behind",
+    ),
+    Mutant(
+        "sweep-ignores-deadline",
+        "G8",
+        "effectfence/store/memory.py",
+        "                    if cur is None or cur.token != token or cur.reclaim_at > now:",
+        "                    if cur is None or cur.token != token:",
+        _both("tests/test_stateful.py::test_sweep_reclaims_exactly_the_expired[{store}]"),
+        "sweep deletes whatever a due wheel entry points at, even a renewed lease",
+    ),
+    # -- counters, certificates, the C constructor ---------------------------------------------
     Mutant(
         "evict-resets-to-zero-pure",
         "G5",
@@ -119,151 +388,6 @@ MUTANTS: tuple[Mutant, ...] = (
         "reset a domain to 0 on evict (atomic table: a re-created counter starts at 0)",
     ),
     Mutant(
-        "takeover-keeps-old-token",
-        "G2",
-        "effectfence/store/memory.py",
-        "            token = self._tokens.reserve_slot(self._token_slot)\n",
-        "            token = (\n"
-        "                cur.token\n"
-        "                if takeover and cur is not None\n"
-        "                else self._tokens.reserve_slot(self._token_slot)\n"
-        "            )\n",
-        (
-            *_both(
-                "tests/test_stateful.py::test_state_table_old_token_after_takeover[{store}-commit]"
-            ),
-            *_both(
-                "tests/test_chaos.py::test_interleaved_takeover_between_takeover_and_claim[{store}]"
-            ),
-        ),
-        "commit an expired lease after a takeover (the takeover does not fence the old token)",
-    ),
-    # -- one or more per guarantee ---------------------------------------------------------
-    Mutant(
-        "claim-overwrites-live-record",
-        "G1",
-        "effectfence/store/memory.py",
-        "                if cur.token != observed_token or row not in _RECLAIMABLE:",
-        "                if False:",
-        _both("tests/test_chaos.py::test_interleaved_duplicate_claim_admits_exactly_one[{store}]"),
-        "the claim step does not re-check the slot it observed",
-    ),
-    Mutant(
-        "done-not-replayed",
-        "G3",
-        "effectfence/protocol.py",
-        "    (Row.DONE_LIVE, True): Action.REPLAY,",
-        "    (Row.DONE_LIVE, True): Action.CLAIM,",
-        _both("tests/test_stateful.py::test_state_table_prepare_same_payload[{store}-done]"),
-        "a duplicate of a committed intent is not given the cert",
-    ),
-    Mutant(
-        "fingerprint-ignores-domain",
-        "G4",
-        "effectfence/fence.py",
-        "                    b',\"domain\":',\n                    name_bytes(domain),\n",
-        "",
-        _both(
-            "tests/test_stateful.py::test_state_table_prepare_other_payload[{store}-done-domain]"
-        ),
-        "the canonical fingerprint leaves out the domain",
-    ),
-    Mutant(
-        "lapsed-lease-taken-with-other-payload",
-        "G4",
-        "effectfence/protocol.py",
-        "    (Row.IN_FLIGHT_LAPSED, False): Action.REFUSE_CONFLICT,",
-        "    (Row.IN_FLIGHT_LAPSED, False): Action.TAKEOVER,",
-        _both(
-            "tests/test_stateful.py::test_state_table_prepare_other_payload"
-            "[{store}-in_flight_lapsed-args]"
-        ),
-        "another payload may take over a lapsed lease",
-    ),
-    Mutant(
-        "evict-while-in-flight",
-        "G5",
-        "effectfence/store/memory.py",
-        "            busy = self.in_flight(domain)\n            if busy:",
-        "            busy = self.in_flight(domain)\n            if False:",
-        _both("tests/test_stateful.py::test_evict_refused_while_in_flight[{store}]"),
-        "evict_domain does not check for attempts in flight",
-    ),
-    Mutant(
-        "expected-seq-ignored",
-        "G6",
-        "effectfence/store/memory.py",
-        "            if strict is None:\n                seq = self._seqs.reserve(domain)",
-        "            if True:\n                seq = self._seqs.reserve(domain)",
-        _both(
-            "tests/test_chaos.py::test_forced_domain_race_exactly_one_winner_every_trial[{store}]"
-        ),
-        "strict OCC: the compare-exchange becomes a plain reservation",
-    ),
-    Mutant(
-        "own-seq-not-rechecked",
-        "G6",
-        "effectfence/fence.py",
-        "        own_seq = ticket.seq if strict else None",
-        "        own_seq = None",
-        _both("tests/test_chaos.py::test_interleaved_expected_seq_moves_while_committing[{store}]"),
-        "expected_seq is not re-validated at commit",
-    ),
-    Mutant(
-        "read-set-unchecked-at-prepare",
-        "G6",
-        "effectfence/store/memory.py",
-        "                stale = self._stale(others) if others else None\n",
-        "                stale = None\n",
-        _both("tests/test_stateful.py::test_read_set_checked_at_prepare_and_commit[{store}]"),
-        "the read set is not checked at prepare",
-    ),
-    Mutant(
-        "lost-race-creates-domain",
-        "G7",
-        "effectfence/store/memory.py",
-        "                if self._seqs.find(domain) < 0:",
-        "                if False:",
-        _both("tests/test_stateful.py::test_refused_prepares_leave_no_trace[{store}]"),
-        "a prepare refused domain_race leaves a new domain behind",
-    ),
-    Mutant(
-        "sweep-reclaims-live",
-        "G8",
-        "effectfence/store/memory.py",
-        "                    elif row is not Row.DONE_EXPIRED:",
-        "                    elif False:",
-        _both("tests/test_stateful.py::test_sweep_reclaims_exactly_the_expired[{store}]"),
-        "sweep deletes whatever its wheel entry points at, live or not",
-    ),
-    Mutant(
-        "no-auto-sweep",
-        "G8",
-        "effectfence/fence.py",
-        "        if self._auto and now >= self._sweep_due[0]:",
-        "        if False:",
-        _both("tests/test_stateful.py::test_auto_sweep_bounds_memory[{store}]"),
-        "expired records are only reclaimed when someone calls sweep()",
-    ),
-    Mutant(
-        "sweep-reclaims-failed",
-        "G9",
-        "effectfence/store/memory.py",
-        "                    elif row is not Row.DONE_EXPIRED:",
-        "                    elif row not in (Row.DONE_EXPIRED, Row.FAILED):",
-        _both("tests/test_stateful.py::test_sweep_reclaims_exactly_the_expired[{store}]"),
-        "an aborted (unknown) intent is freed by the sweeper",
-    ),
-    Mutant(
-        "abort-frees-intent",
-        "G9",
-        "effectfence/protocol.py",
-        "    (Row.FAILED, True): Action.REFUSE_FAILED,",
-        "    (Row.FAILED, True): Action.REPLAY,",
-        _both("tests/test_stateful.py::test_state_table_prepare_same_payload[{store}-failed]"),
-        "a failed intent answers duplicates instead of fencing them",
-    ),
-    Mutant(
         "verify-trusts-hash",
         "G10",
         "effectfence/cert.py",
@@ -271,32 +395,6 @@ MUTANTS: tuple[Mutant, ...] = (
         "            return len(self.hash) == 64",
         _both("tests/test_stateful.py::test_replayed_cert_is_tamper_evident[{store}]"),
         "verify() does not recompute the hash",
-    ),
-    # -- guards added after the review (tests/test_regressions.py) ---------------------------
-    Mutant(
-        "own-read-set-entry-not-atomic",
-        "G6",
-        "effectfence/store/memory.py",
-        "            strict = expected_seq if expected_seq is not None else own\n",
-        "            strict = expected_seq\n",
-        tuple(
-            "tests/test_regressions.py::"
-            f"test_own_domain_read_set_is_checked_atomically_with_the_reservation[{k}]"
-            for k in ("atomic", "pure")
-        ),
-        "a read-set entry on the claim's own domain is checked apart from the reservation",
-    ),
-    Mutant(
-        "sweep-reclaims-lapsed-at-once",
-        "G2",
-        "effectfence/store/memory.py",
-        "                        if now < reclaim_at:\n",
-        "                        if False:\n",
-        _both(
-            "tests/test_regressions.py::"
-            "test_lapsed_holder_not_taken_over_can_commit_despite_auto_sweep[{store}]"
-        ),
-        "sweep deletes a lapsed lease its holder could still commit",
     ),
     Mutant(
         "replay-shares-result-object",
@@ -309,122 +407,6 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_mutating_a_replayed_result_does_not_change_the_recorded_certificate[{store}]"
         ),
         "replays hand out one shared result object that a caller can edit",
-    ),
-    # -- the C accelerator's guards (the tree's extension is rebuilt from the mutated C) ---------
-    Mutant(
-        "c-commit-without-token-check",
-        "G2",
-        "csrc/effectfence_speedups.c",
-        "    return PyObject_RichCompareBool(current, token, Py_EQ);\n",
-        "    return 1;\n",
-        ("tests/test_fence.py::test_g2_takeover_makes_old_ticket_powerless[memory-atomic]",),
-        "the C commit takes any in-flight record as its own, whatever the token",
-    ),
-    Mutant(
-        "c-replay-without-payload-check",
-        "G4",
-        "csrc/effectfence_speedups.c",
-        "    if (bytes_equal(fp, payload) != 1) {\n",
-        "    if (0) {\n",
-        ("tests/test_fence.py::test_g4_changed_payload_conflicts_done[memory-atomic-changed0]",),
-        "the C prepare replays a certificate to a request with another payload",
-    ),
-    Mutant(
-        "c-replay-after-expiry",
-        "G8",
-        "csrc/effectfence_speedups.c",
-        "    if (!(now < PyFloat_AS_DOUBLE(until))) {\n",
-        "    if (0) {\n",
-        ("tests/test_fence.py::test_g1_record_retained_until_result_ttl[memory-atomic]",),
-        "the C prepare replays a result past its result_ttl",
-    ),
-    Mutant(
-        "c-claim-without-recheck",
-        "G1",
-        "csrc/effectfence_speedups.c",
-        "    PyObject *rec = PyDict_GetItemWithError(self->records, intent);\n"
-        "    if (rec != NULL || PyErr_Occurred()) {\n",
-        "    PyObject *rec = NULL;\n    if (PyErr_Occurred()) {\n",
-        (
-            "tests/test_speedups.py::"
-            "test_claim_rechecks_under_the_lock_when_another_claim_gets_in_first",
-        ),
-        "the C claim trusts its unlocked read: a claim that got in first is overwritten",
-    ),
-    Mutant(
-        "c-commit-without-recheck",
-        "G2",
-        "csrc/effectfence_speedups.c",
-        "    int ok = cur != NULL && holds_lease(self, cur, token) == 1 &&\n",
-        "    int ok = cur != NULL &&\n",
-        ("tests/test_speedups.py::test_commit_rechecks_under_the_lock_when_the_lease_moves_first",),
-        "the C commit trusts its unlocked check: an abort that got in first is overwritten",
-    ),
-    Mutant(
-        "c-commit-ignores-read-set",
-        "G6",
-        "csrc/effectfence_speedups.c",
-        "        !PyTuple_CheckExact(tk[TK_READ_SET]) || PyTuple_GET_SIZE(tk[TK_READ_SET]) ||\n",
-        "        !PyTuple_CheckExact(tk[TK_READ_SET]) ||\n",
-        ("tests/test_fence.py::test_g6_read_set_moving_during_effect_fails_commit[memory-atomic]",),
-        "the C commit takes tickets with a read set and never re-validates it",
-    ),
-    Mutant(
-        "admit-clock-at-edge",
-        "G1",
-        "effectfence/fence.py",
-        "        if seq > MAX_SAFE_INTEGER or tick > MAX_SAFE_INTEGER:\n",
-        "        if seq > MAX_SAFE_INTEGER:\n",
-        _both(
-            "tests/test_regressions.py::"
-            "test_clock_at_the_edge_is_refused_at_prepare_not_after_the_effect_ran[{store}]"
-        ),
-        "a ticket whose clock a certificate cannot encode is admitted: it runs, never commits",
-    ),
-    Mutant(
-        "c-admit-clock-at-edge",
-        "G1",
-        "csrc/effectfence_speedups.c",
-        "    *at_edge = overflow || tick > MAX_SAFE_INTEGER;\n",
-        "    *at_edge = 0;\n",
-        (
-            "tests/test_regressions.py::"
-            "test_clock_at_the_edge_is_refused_at_prepare_not_after_the_effect_ran[memory-atomic]",
-        ),
-        "the C prepare admits a ticket whose clock a certificate cannot encode",
-    ),
-    Mutant(
-        "c-no-auto-sweep",
-        "G8",
-        "csrc/effectfence_speedups.c",
-        "        if (now >= next) {\n",
-        "        if (0) {\n",
-        ("tests/test_stateful.py::test_auto_sweep_bounds_memory[memory-atomic]",),
-        "the C prepare never hands a due auto-sweep to the Python path: memory grows",
-    ),
-    Mutant(
-        "c-expected-seq-ignored",
-        "G6",
-        "csrc/effectfence_speedups.c",
-        "        int64_t got = self->advance_if(s, strict);\n",
-        "        int64_t got = self->reserve(s);\n",
-        (
-            "tests/test_speedups.py::"
-            "test_expected_seq_on_a_counted_domain_admits_one_view_and_refuses_the_rest",
-        ),
-        "the C claim reserves the next seq whatever expected_seq says",
-    ),
-    Mutant(
-        "c-commit-skips-own-seq-check",
-        "G6",
-        "csrc/effectfence_speedups.c",
-        "             (tk[TK_EXPECTED] == Py_None || "
-        "own_seq_holds(self, cur_domain, tk[TK_SEQ]) == 1);\n",
-        "             1;\n",
-        (
-            "tests/test_fence.py::test_g6_expected_seq_judged_against_own_reservation[memory-atomic]",
-        ),
-        "the C commit of a strict ticket ignores that its domain moved while the effect ran",
     ),
     Mutant(
         "c-request-skips-name-checks",
@@ -496,13 +478,50 @@ def check_snippets(root: Path = ROOT) -> list[str]:
     return problems
 
 
-def _env(tree: Path) -> dict[str, str]:
+#: The two builds every mutant is tried against: the compiled core (C counters and the
+#: accelerator) and the pure-Python twin. A rule has one copy, so a mutant of it must be
+#: killed in both: a second copy in C would show up here as a survivor in the compiled build.
+BUILDS = ("atomic", "pure")
+#: killer ids that exist only in the compiled build (the atomic table's parametrizations)
+_COMPILED_ONLY = ("[memory-atomic", "[atomic]", "test_speedups.py")
+
+
+def _env(tree: Path, build: str | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(tree)
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     env["EFFECTFENCE_DERANDOMIZE"] = "1"
     env.pop("EFFECTFENCE_COUNTERS", None)
+    if build is not None:
+        env["EFFECTFENCE_COUNTERS"] = build
     return env
+
+
+def compiled_available() -> bool:
+    """Whether this checkout has the compiled core to test mutants against."""
+    pkg = ROOT / PKG
+    return bool(list(pkg.glob("_effectfence_atomic*.so"))) and bool(list(pkg.glob("_speedups*.so")))
+
+
+def killers_in(build: str, ids: tuple[str, ...]) -> tuple[str, ...]:
+    """The test ids of ``ids`` that exist in ``build``."""
+    if build == "pure":
+        return tuple(k for k in ids if not any(c in k for c in _COMPILED_ONLY))
+    return ids
+
+
+def builds_for(mutant: Mutant) -> dict[str, tuple[str, ...]]:
+    """build -> the killers that run in it. C mutants have only the compiled build."""
+    out: dict[str, tuple[str, ...]] = {}
+    for build in BUILDS:
+        if build == "atomic" and not compiled_available():
+            continue
+        if build == "pure" and mutant.file.endswith(".c"):
+            continue
+        ids = killers_in(build, mutant.killers)
+        if ids:
+            out[build] = ids
+    return out
 
 
 def which_package(tree: Path) -> str:
@@ -525,12 +544,14 @@ class Outcome:
     output: str
 
 
-def run_tests(tree: Path, nodeids: tuple[str, ...], timeout: float = 240.0) -> Outcome:
+def run_tests(
+    tree: Path, nodeids: tuple[str, ...], timeout: float = 240.0, build: str | None = None
+) -> Outcome:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-rf"]
     proc = subprocess.run(
         [*cmd, *nodeids],
         cwd=tree,
-        env=_env(tree),
+        env=_env(tree, build),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -541,7 +562,14 @@ def run_tests(tree: Path, nodeids: tuple[str, ...], timeout: float = 240.0) -> O
 
 
 def killed(mutant: Mutant, outcome: Outcome) -> bool:
-    return outcome.rc == 1 and any(f in mutant.killers for f in outcome.failed)
+    """Killed in every build it was tried in (each run's failures prefixed by its build)."""
+    if outcome.rc != 1 or not outcome.failed:
+        return False
+    per_build: dict[str, bool] = {}
+    for f in outcome.failed:
+        build, _, node = f.partition(":")
+        per_build[build] = per_build.get(build, False) or node in mutant.killers
+    return set(per_build) == set(builds_for(mutant)) and all(per_build.values())
 
 
 def run_mutant(mutant: Mutant) -> tuple[Mutant, Outcome]:
@@ -555,7 +583,16 @@ def run_mutant(mutant: Mutant) -> tuple[Mutant, Outcome]:
             return mutant, Outcome(-1, (), str(exc))
         except subprocess.CalledProcessError as exc:  # a mutant that does not compile
             return mutant, Outcome(-1, (), f"rebuild failed:\n{exc.stdout}\n{exc.stderr}")
-        return mutant, run_tests(tree, mutant.killers)
+        failed: list[str] = []
+        outputs: list[str] = []
+        rc = 1
+        for build, ids in builds_for(mutant).items():
+            out = run_tests(tree, ids, build=build)
+            outputs.append(f"--- {build} build ---\n{out.output}")
+            if out.rc != 1:
+                rc = out.rc  # survived (0) or broke (2+) in this build
+            failed.extend(f"{build}:{f}" for f in out.failed if f in ids)
+        return mutant, Outcome(rc, tuple(failed), "\n".join(outputs))
 
 
 def all_killers() -> tuple[str, ...]:
@@ -566,8 +603,29 @@ def all_killers() -> tuple[str, ...]:
     return tuple(seen)
 
 
+def table_rows() -> str:
+    """The table of MUTANTS.md, from MUTANTS (``python -m tests.mutants.harness --doc``)."""
+    rows = ["| mutant | guarantee | file | what it breaks | killed by |", "|---|---|---|---|---|"]
+    for m in MUTANTS:
+        killers = "<br>".join(f"`{k}`" for k in m.killers)
+        rows.append(f"| `{m.name}` | {m.guarantee} | `{m.file}` | {m.what} | {killers} |")
+    return "\n".join(rows) + "\n"
+
+
+DOC = Path(__file__).with_name("MUTANTS.md")
+
+
+def write_doc(path: Path = DOC) -> None:
+    text = path.read_text()
+    head = text[: text.index("| mutant | guarantee |")]
+    path.write_text(head + table_rows())
+
+
 def main(argv: list[str] | None = None) -> int:
     names = list(sys.argv[1:] if argv is None else argv)
+    if names == ["--doc"]:
+        write_doc()
+        return 0
     chosen = [m for m in MUTANTS if not names or m.name in names]
     problems = check_snippets()
     if problems:
@@ -579,7 +637,7 @@ def main(argv: list[str] | None = None) -> int:
     for m, out in results:
         ok = killed(m, out)
         survivors += not ok
-        first = next((f for f in out.failed if f in m.killers), "-")
+        first = out.failed[0] if out.failed else "-"
         print(f"{'KILLED ' if ok else 'SURVIVED'} {m.guarantee:4} {m.name:40} {first}")
     return 1 if survivors else 0
 

@@ -1,0 +1,150 @@
+"""What the one-decider change added: the commit-retry row, waiters that go away, reclaiming
+that keeps pace with admission (G8), and the rules living in one place.
+
+Every test runs on every store of ``support.STORES``; time moves only through the fake clock.
+"""
+
+from __future__ import annotations
+
+import ast
+import threading
+from pathlib import Path
+
+import pytest
+from support import STORES, FakeClock, race
+
+from effectfence import (
+    EffectFence,
+    EffectRequest,
+    FenceConfig,
+    IntentInFlight,
+    LeaseLost,
+    fenced,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _fence(store_kind: str, clock: FakeClock, **cfg: object) -> EffectFence:
+    return EffectFence(FenceConfig(**cfg), store=STORES[store_kind](clock))  # type: ignore[arg-type]
+
+
+# -- the commit-retry row (G3): an answer lost in transit can be asked for again ----------------
+
+
+@pytest.mark.parametrize("store_kind", sorted(STORES))
+def test_commit_retried_with_the_same_result_gets_the_same_certificate(store_kind: str) -> None:
+    fence = _fence(store_kind, FakeClock(), auto_sweep=False)
+    t = fence.prepare(EffectRequest("pay:1", "acct", "pay", {"cents": 5}, "a")).ticket
+    first = fence.commit(t, {"charge_id": "ch_1"})
+    before = fence.stats()
+    again = fence.commit(t, {"charge_id": "ch_1"})  # the first answer was "lost"
+    assert again.hash == first.hash and again.verify()
+    assert fence.stats()["commits"] == before["commits"], "a retry is not a second commit"
+    assert fence.current("acct") == 1, "nothing moved"
+
+
+@pytest.mark.parametrize("store_kind", sorted(STORES))
+def test_commit_retried_with_another_result_is_lease_lost(store_kind: str) -> None:
+    fence = _fence(store_kind, FakeClock(), auto_sweep=False)
+    t = fence.prepare(EffectRequest("pay:1", "acct", "pay", {"cents": 5}, "a")).ticket
+    first = fence.commit(t, {"charge_id": "ch_1"})
+    with pytest.raises(LeaseLost) as info:
+        fence.commit(t, {"charge_id": "ch_2"})
+    assert info.value.details["committed_by_this_ticket"] is True
+    assert info.value.details["cert_hash"] == first.hash
+    assert fence.intent_status("pay:1").cert == first, "the record is never overwritten"
+    for op in (fence.abort, fence.release, fence.renew):
+        with pytest.raises(LeaseLost):
+            op(t)  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("store_kind", sorted(STORES))
+def test_other_ticket_retrying_a_commit_is_lease_lost(store_kind: str) -> None:
+    clock = FakeClock()
+    fence = _fence(store_kind, clock, auto_sweep=False, lease_ttl=10.0)
+    old = fence.prepare(EffectRequest("pay:1", "acct", "pay", {}, "a")).ticket
+    clock.advance(10.0)
+    new = fence.prepare(EffectRequest("pay:1", "acct", "pay", {}, "b")).ticket  # takeover
+    fence.commit(new, "ok")
+    with pytest.raises(LeaseLost):
+        fence.commit(old, "ok")  # same result, but not the ticket that committed
+
+
+# -- waiters: woken at the next transition, and gone once their wait ends -------------------------
+
+
+@pytest.mark.parametrize("store_kind", sorted(STORES))
+def test_waiters_do_not_linger_after_fenced_calls(store_kind: str) -> None:
+    fence = _fence(store_kind, FakeClock(), auto_sweep=False, lease_ttl=60.0)
+    inside = threading.Barrier(2)
+    proceed = threading.Event()
+
+    @fenced(fence, intent="job:{n}", domain="jobs", wait=True, wait_timeout=30.0)
+    def job(n: int) -> int:
+        if n == 0:
+            inside.wait()
+            assert proceed.wait(30)
+        return n
+
+    def call(i: int) -> int:
+        if i == 0:
+            return job(0)
+        inside.wait()  # the holder is inside the function: these duplicates must wait
+        for _ in range(3):
+            try:
+                return job(0)
+            except IntentInFlight:  # registered before the holder finished: try again
+                continue
+        raise AssertionError("never got the holder's result")
+
+    def release_holder() -> None:
+        while not fence._waiters:  # the duplicates are parked in fence.wait
+            threading.Event().wait(0.001)
+        proceed.set()
+
+    threading.Thread(target=release_holder, daemon=True).start()
+    results = race(12, call)
+    assert results == [0] * 12
+    for i in range(1, 300):
+        assert job(i) == i
+    assert fence._waiters == {}, "every wait unregistered itself"
+
+
+# -- G8: reclaiming keeps pace with admission, and a quiet spell does not strand a backlog ------
+
+
+@pytest.mark.parametrize("store_kind", sorted(STORES))
+def test_reclaiming_keeps_pace_at_any_rate(store_kind: str) -> None:
+    clock = FakeClock()
+    ttl, step = 1.0, 1e-4  # 10,000 effects per (fake) second: 100x the old sweep budget
+    fence = _fence(store_kind, clock, lease_ttl=0.5, result_ttl=ttl, sweep_batch=50)
+    peak = 0
+    for i in range(30_000):
+        fence.commit(fence.prepare(EffectRequest(f"i{i}", "d", "t", {}, "a")).ticket, 1)
+        clock.advance(step)
+        peak = max(peak, fence.store.size()["records"])
+    kept_by_rate = ttl / step
+    assert peak <= 1.5 * kept_by_rate, (peak, kept_by_rate)
+    # a burst, then quiet for longer than the ttl: traffic resumes and the backlog drains
+    clock.advance(10 * ttl)
+    for i in range(3_000):
+        fence.prepare(EffectRequest(f"late{i}", "d", "t", {}, "a"))
+    assert fence.store.size()["records"] <= 3_000 + 50, fence.store.size()
+
+
+# -- one decider: no store module judges time or payloads itself ------------------------------
+
+
+RULES = {"observe", "decide_prepare", "judge_ticket", "PREPARE_TABLE", "TICKET_TABLE"}
+
+
+@pytest.mark.parametrize(
+    "path", sorted(str(p.relative_to(ROOT)) for p in (ROOT / "effectfence" / "store").glob("*.py"))
+)
+def test_stores_import_no_rule(path: str) -> None:
+    """A store performs steps; the rules are the protocol's (rule 8 of protocol.py)."""
+    tree = ast.parse((ROOT / path).read_text())
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    used |= {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert not used & RULES, f"{path} uses {sorted(used & RULES)}"
