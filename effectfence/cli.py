@@ -16,7 +16,7 @@ __all__ = ["main"]
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "info": ("effectfence.cli", "info_main", "which counter table runs, and versions"),
     "storm": ("effectfence.storm", "main", "1,000 attempts to charge order #777: one runs"),
-    "serve": ("effectfence.mcp.server", "main", "stdio MCP server routing tools through the fence"),
+    "serve": ("effectfence.mcp.server", "main", "MCP server (stdio, or --http) for the fence"),
     "scan": ("effectfence.scan.cli", "main", "list MCP tools that could fire twice, with evidence"),
 }
 

@@ -94,8 +94,13 @@ async def test_list_tools_publishes_full_schemas_and_truthful_annotations() -> N
             assert prop.get("description"), (tool.name, name)
         out = tool.output_schema
         assert out is not None and out["type"] == "object", tool.name
-        for name, prop in out["properties"].items():
-            assert prop.get("description"), (tool.name, name)
+        # the answer and the refusal, both declared: clients validate isError results too
+        answer, refused = out["anyOf"]
+        assert set(refused["required"]) == PAYLOAD_KEYS, tool.name
+        for branch in (answer, refused):
+            assert branch["type"] == "object" and branch["additionalProperties"] is False
+            for name, prop in branch["properties"].items():
+                assert prop.get("description"), (tool.name, name)
         ann = tool.annotations
         assert ann is not None and ann.open_world_hint is False
     prep = tools["fence_prepare"].input_schema

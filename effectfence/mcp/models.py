@@ -27,6 +27,7 @@ __all__ = [
     "CommitInput",
     "CommitOutput",
     "PrepareInput",
+    "PrepareInputAuthenticated",
     "PrepareOutput",
     "ReadSetItem",
     "RefusalPayload",
@@ -48,6 +49,14 @@ __all__ = [
 ReadPair = Annotated[tuple[StrictStr, StrictInt], Strict(False)]
 
 _Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME_LENGTH)]
+#: any JSON value, said so in the schema (a bare ``{}`` reads as "forgot to say" to schema
+#: linters such as the MCP Inspector's --strict)
+JsonValue = Annotated[
+    Any,
+    WithJsonSchema(
+        {"anyOf": [{"type": t} for t in ("object", "array", "string", "number", "boolean", "null")]}
+    ),
+]
 # seqs and clock counters go into RFC 8785 certificates: JSON-safe integers only
 _Seq = Annotated[int, Field(ge=0, le=2**53 - 2)]
 _Counter = Annotated[StrictInt, Field(ge=0, le=2**53 - 1)]
@@ -98,7 +107,7 @@ class CertModel(_Output):
     seq: int = Field(description="The seq reserved in the domain for this effect.")
     tool: str = Field(description="The real tool that ran.")
     args: dict[str, Any] = Field(description="The arguments it ran with.")
-    result: Any = Field(description="What it returned (as committed).")
+    result: JsonValue = Field(description="What it returned (as committed).")
     vector_clock: dict[str, int] = Field(description="Causal clock: agent -> counter.")
     read_set: list[ReadPair] = Field(
         description="[domain, seq] pairs the decision was built on, checked at commit."
@@ -164,6 +173,16 @@ class PrepareInput(_Input):
     )
 
 
+class PrepareInputAuthenticated(PrepareInput):
+    """fence_prepare over authenticated HTTP: the agent is the caller's principal."""
+
+    agent: _Name | None = Field(  # type: ignore[assignment]
+        default=None,
+        description="Ignored here: this server authenticates callers, and the certificate "
+        "names your principal (the name your bearer token belongs to) as the agent.",
+    )
+
+
 class PrepareOutput(_Output):
     """``fresh``: you hold the intent, run the tool. ``replay``: it already ran, do NOT run it.
 
@@ -199,7 +218,7 @@ class PrepareOutput(_Output):
         default=None,
         description="fresh only: seconds until the lease lapses; fence_renew to extend it.",
     )
-    result: Any = Field(default=None, description="replay only: the recorded result.")
+    result: JsonValue = Field(default=None, description="replay only: the recorded result.")
     cert: CertModel | None = Field(
         default=None, description="replay only: the effect's certificate."
     )
@@ -212,7 +231,7 @@ class CommitInput(_Input):
     """Record the real tool's result after it ran."""
 
     prepared: str = Field(description=_TICKET_DESC)
-    result: Any = Field(description="What the real tool returned (any JSON value).")
+    result: JsonValue = Field(description="What the real tool returned (any JSON value).")
 
 
 class CommitOutput(_Output):

@@ -1,4 +1,4 @@
-"""The stdio MCP server: agents route side-effecting tool calls through the fence.
+"""The MCP server: agents route side-effecting tool calls through the fence.
 
 Theory of operation
 -------------------
@@ -16,6 +16,18 @@ three steps, and only the middle one can change state:
    for a refusal an ``isError`` result carrying the typed payload (code, message,
    retryable, recover, details) both as structured content and as text.
 
+Every tool declares an output schema that describes BOTH shapes, its answer and the refusal
+payload (``anyOf``, the answer first). Clients differ about refusals: the Python SDK skips
+validation on ``isError`` results, the TypeScript SDK (and so the MCP Inspector) validates
+them too, and turned every refusal into a schema violation while the schemas described
+only the answers. Declaring both keeps the typed payload and makes every result valid in
+every client.
+
+Who is asking: over stdio (one trusted parent process) and in memory, the caller names its
+``agent``. Over authenticated streamable HTTP (:mod:`effectfence.mcp.http`) a bearer token
+names a principal, the principal is the certificate's agent whatever the caller typed, and a
+ticket prepared by one principal is refused ``invalid_ticket`` to every other.
+
 Why tools are built by hand rather than with ``@server.tool()``: the decorator derives a lax
 argument model from the function signature (unknown fields silently ignored, ``"5"``
 accepted for ``5``) and pre-parses JSON found inside strings, which would silently turn a
@@ -23,7 +35,8 @@ committed string result ``"[1]"`` into a list. We register :class:`Tool` objects
 published schema is our model's schema and whose function receives the raw arguments.
 
 Fence operations on the memory store take microseconds and never block, so they run inline
-on the event loop (no thread hop). A durable store would run them in a worker thread.
+on the event loop (no thread hop). On any other store they run in a worker thread, so a
+slow store never stalls the other agents a shared server is answering.
 """
 
 from __future__ import annotations
@@ -33,13 +46,16 @@ import math
 import os
 import re
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
 import pydantic_core
 from mcp.server import MCPServer
+from mcp.server.mcpserver import Context
 from mcp.server.mcpserver.tools import Tool
 from mcp.server.mcpserver.utilities.func_metadata import ArgModelBase, FuncMetadata
 from mcp_types import CallToolResult, TextContent, ToolAnnotations
@@ -48,7 +64,7 @@ from pydantic import BaseModel, ValidationError
 from effectfence import __version__
 from effectfence.cert import EffectCert, verify_chain
 from effectfence.counters import backend_info
-from effectfence.errors import InvalidRequest, Refusal
+from effectfence.errors import InvalidRequest, InvalidTicket, Refusal
 from effectfence.fence import DEFAULT_LEASE_TTL, DEFAULT_RESULT_TTL, EffectFence, FenceConfig
 from effectfence.mcp.models import (
     AbortInput,
@@ -59,8 +75,10 @@ from effectfence.mcp.models import (
     CommitInput,
     CommitOutput,
     PrepareInput,
+    PrepareInputAuthenticated,
     PrepareOutput,
     ReadSetItem,
+    RefusalPayload,
     ReleaseInput,
     ReleaseOutput,
     RenewInput,
@@ -73,16 +91,27 @@ from effectfence.mcp.models import (
     VerifyInput,
     VerifyOutput,
 )
+from effectfence.mcp.telemetry import Decision, Metrics, configure_logging
 from effectfence.model import PreparedEffect
 from effectfence.tickets import TICKET_KEY_ENV, TicketSigner
 
-__all__ = ["ALLOW_CLEAR_ENV", "SERVER_NAME", "STORE_ENV", "build_server", "main"]
+__all__ = [
+    "ALLOW_CLEAR_ENV",
+    "PRINCIPAL_SCOPE_KEY",
+    "SERVER_NAME",
+    "STORE_ENV",
+    "build_server",
+    "main",
+    "open_fence",
+]
 
 SERVER_NAME = "effectfence"
 ALLOW_CLEAR_ENV = "EFFECTFENCE_ALLOW_CLEAR"
 STORE_ENV = "EFFECTFENCE_STORE"
 _MEMORY_STORES = ("memory", "memory:", "memory://")
 _MAX_REPORTED_ERRORS = 20
+#: where the HTTP gate puts the authenticated principal in the ASGI scope of a request
+PRINCIPAL_SCOPE_KEY = "effectfence.principal"
 
 _In = TypeVar("_In", bound=BaseModel)
 
@@ -213,6 +242,47 @@ def _invalid_arguments(tool: str, exc: ValidationError) -> InvalidRequest:
     )
 
 
+def _output_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """The model's answer, or a refusal: what a tool really sends, so every client's
+    validator accepts every result (see the module doc). The answer comes first (a
+    validator that stops at the first branch that holds pays nothing extra for it); the
+    answer's ``$defs`` move to the top, where its ``$ref``s still resolve."""
+    answer = model.model_json_schema(mode="serialization")
+    defs = answer.pop("$defs", None)
+    refusal = RefusalPayload.model_json_schema(mode="serialization")
+    refusal["required"] = sorted(RefusalPayload.model_fields)  # always sent, all of it
+    name = answer.get("title", model.__name__)
+    schema: dict[str, Any] = {
+        "type": "object",
+        "title": f"{name} or Refusal",
+        "description": f"The answer ({name}), or, on an isError result, a typed refusal: "
+        "code, message, retryable, recover, details.",
+        "anyOf": [answer, refusal],
+    }
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def _principal(ctx: Context[Any, Any] | None) -> str | None:
+    """The principal the HTTP gate authenticated for this request; None over stdio, in
+    memory, or when called directly (no request)."""
+    if ctx is None:
+        return None
+    try:
+        request = ctx.request_context.request
+    except ValueError:  # no request context: a direct call
+        return None
+    scope = getattr(request, "scope", None)
+    if not isinstance(scope, dict):
+        return None
+    principal = scope.get(PRINCIPAL_SCOPE_KEY)
+    return principal if isinstance(principal, str) else None
+
+
+_Op = Callable[[_In, Decision], CallToolResult]
+
+
 def _tool(
     name: str,
     title: str,
@@ -220,31 +290,39 @@ def _tool(
     input_model: type[_In],
     output_model: type[BaseModel],
     annotations: ToolAnnotations,
-    op: Callable[[_In], CallToolResult],
+    op: _Op[_In],
+    tools: _FenceTools,
     on_invalid: Callable[[], None] | None = None,
 ) -> Tool:
     """Register ``op`` under ``name`` with the models' schemas; refusals become results.
 
     ``on_invalid`` runs when the arguments are refused before the fence sees them (so a
-    malformed fence_prepare is still counted as an attempt)."""
+    malformed fence_prepare is still counted as an attempt). Every call, answered or
+    refused, is one :class:`Decision`: logged and counted once."""
+    offload = tools.offload
 
-    async def run(arguments: dict[str, Any]) -> CallToolResult:
+    async def run(arguments: dict[str, Any], ctx: Context[Any, Any] | None = None) -> Any:
+        decision = Decision(name, _principal(ctx))
         try:
-            request = input_model.model_validate(arguments)
-        except ValidationError as exc:
-            if on_invalid is not None:
-                on_invalid()
-            return _refused(_invalid_arguments(name, exc))
-        try:
-            return op(request)
+            try:
+                request = input_model.model_validate(arguments)
+            except ValidationError as exc:
+                if on_invalid is not None:
+                    on_invalid()
+                raise _invalid_arguments(name, exc) from None
+            if offload:
+                result = await anyio.to_thread.run_sync(op, request, decision)
+            else:
+                result = op(request, decision)
         except Refusal as refusal:
-            return _refused(refusal)
+            decision.outcome = refusal.code
+            result = _refused(refusal)
+        decision.log()
+        tools.metrics.observe(decision)
+        return result
 
     run.__name__ = name
-    meta = _RawArguments(
-        arg_model=ArgModelBase,
-        output_schema=output_model.model_json_schema(mode="serialization"),
-    )
+    meta = _RawArguments(arg_model=ArgModelBase, output_schema=_output_schema(output_model))
     return Tool(
         fn=run,
         name=name,
@@ -253,7 +331,7 @@ def _tool(
         parameters=input_model.model_json_schema(),
         fn_metadata=meta,
         is_async=True,
-        context_kwarg=None,
+        context_kwarg="ctx",
         annotations=annotations,
     )
 
@@ -279,32 +357,74 @@ def _cert(cert: EffectCert) -> CertModel:
 
 
 class _FenceTools:
-    """The tool operations, bound to one fence and one signer."""
+    """The tool operations, bound to one fence and one signer.
 
-    def __init__(self, fence: EffectFence, signer: TicketSigner, clear_enabled: bool) -> None:
+    Each operation takes its validated input and the call's :class:`Decision`, which it
+    fills in (intent, domain, token, outcome, time in the fence) for the log and metrics."""
+
+    def __init__(
+        self,
+        fence: EffectFence,
+        signer: TicketSigner,
+        clear_enabled: bool,
+        *,
+        metrics: Metrics,
+        authenticated: bool,
+    ) -> None:
         self.fence = fence
         self.signer = signer
         self.clear_enabled = clear_enabled
+        self.metrics = metrics
+        self.authenticated = authenticated
+        # the memory store answers in microseconds without blocking: a thread hop would
+        # cost more than the call; any other store may block, so it runs off the loop
+        self.offload = fence.store.name != "memory"
         self.idle_sweeps = 0
 
     def _lease_left(self, ticket: PreparedEffect) -> float:
         return max(0.0, ticket.lease_until - self.fence.store.now())
 
-    def prepare(self, req: PrepareInput) -> CallToolResult:
+    def _agent(self, req: PrepareInput, d: Decision) -> str:
+        if d.principal is not None:
+            return d.principal  # who the token says, whatever the caller typed
+        if self.authenticated:
+            raise InvalidRequest("fence_prepare: this server requires an authenticated principal")
+        if req.agent is None:
+            raise InvalidRequest("fence_prepare: invalid arguments: agent: required field missing")
+        return req.agent
+
+    def _open(self, op: str, wire: str, d: Decision) -> PreparedEffect:
+        """Open a sealed ticket; over authenticated HTTP only its own principal may use it."""
+        ticket = self.signer.open(wire)
+        d.intent, d.domain, d.token = ticket.intent, ticket.domain, ticket.token
+        if d.principal is not None and ticket.agent != d.principal:
+            raise InvalidTicket(
+                f"can't {op}: this ticket was prepared by another principal",
+                intent=ticket.intent,
+            )
+        return ticket
+
+    def prepare(self, req: PrepareInput, d: Decision) -> CallToolResult:
+        d.intent, d.domain = req.intent, req.domain
+        agent = self._agent(req, d)
         read_set = [
             (e.domain, e.seq) if isinstance(e, ReadSetItem) else e for e in req.read_set or ()
         ]
-        admission = self.fence.request(
-            req.intent,
-            req.domain,
-            req.tool,
-            req.args,
-            req.agent,
-            read_set=read_set,
-            parent=req.parent,
-            known_clock=req.known_clock,
-            expected_seq=req.expected_seq,
-        )
+        t0 = time.perf_counter()
+        try:
+            admission = self.fence.request(
+                req.intent,
+                req.domain,
+                req.tool,
+                req.args,
+                agent,
+                read_set=read_set,
+                parent=req.parent,
+                known_clock=req.known_clock,
+                expected_seq=req.expected_seq,
+            )
+        finally:
+            d.latency = time.perf_counter() - t0
         if admission.fresh:
             ticket = admission.ticket
             try:
@@ -314,13 +434,15 @@ class _FenceTools:
                 # nothing has run yet, so the claim is released (it certainly did not fire).
                 self.fence.release(ticket)
                 raise
+            takeover = bool(getattr(admission, "takeover", False))
+            d.outcome, d.token = ("takeover" if takeover else "fresh"), ticket.token
             out = PrepareOutput.model_construct(
                 status="fresh",
                 intent=ticket.intent,
                 prepared=sealed,
                 token=ticket.token,
                 seq=ticket.seq,
-                takeover=bool(getattr(admission, "takeover", False)),
+                takeover=takeover,
                 lease_expires_in=self._lease_left(ticket),
             )
             return _ok(
@@ -330,6 +452,7 @@ class _FenceTools:
                 "it may have fired, fence_release if it certainly did not).",
             )
         cert = admission.cert
+        d.outcome = "replay"
         out = PrepareOutput.model_construct(
             status="replay", intent=cert.intent, result=cert.result, cert=_cert(cert)
         )
@@ -339,18 +462,28 @@ class _FenceTools:
             "again; its recorded outcome is `result`.",
         )
 
-    def commit(self, req: CommitInput) -> CallToolResult:
-        ticket = self.signer.open(req.prepared)
-        cert = self.fence.commit(ticket, req.result)
+    def commit(self, req: CommitInput, d: Decision) -> CallToolResult:
+        ticket = self._open("commit", req.prepared, d)
+        t0 = time.perf_counter()
+        try:
+            cert = self.fence.commit(ticket, req.result)
+        finally:
+            d.latency = time.perf_counter() - t0
+        d.outcome = "committed"
         out = CommitOutput.model_construct(status="committed", intent=cert.intent, cert=_cert(cert))
         return _ok(
             out,
             f"COMMITTED: {cert.intent!r} is recorded exactly once; duplicates will replay it.",
         )
 
-    def abort(self, req: AbortInput) -> CallToolResult:
-        ticket = self.signer.open(req.prepared)
-        self.fence.abort(ticket, req.reason)
+    def abort(self, req: AbortInput, d: Decision) -> CallToolResult:
+        ticket = self._open("abort", req.prepared, d)
+        t0 = time.perf_counter()
+        try:
+            self.fence.abort(ticket, req.reason)
+        finally:
+            d.latency = time.perf_counter() - t0
+        d.outcome = "aborted"
         out = AbortOutput(
             status="aborted",
             intent=ticket.intent,
@@ -359,9 +492,14 @@ class _FenceTools:
         )
         return _ok(out, f"ABORTED: {ticket.intent!r} is fenced; outcome unknown.")
 
-    def release(self, req: ReleaseInput) -> CallToolResult:
-        ticket = self.signer.open(req.prepared)
-        self.fence.release(ticket)
+    def release(self, req: ReleaseInput, d: Decision) -> CallToolResult:
+        ticket = self._open("release", req.prepared, d)
+        t0 = time.perf_counter()
+        try:
+            self.fence.release(ticket)
+        finally:
+            d.latency = time.perf_counter() - t0
+        d.outcome = "released"
         out = ReleaseOutput(
             status="released",
             intent=ticket.intent,
@@ -369,9 +507,14 @@ class _FenceTools:
         )
         return _ok(out, f"RELEASED: {ticket.intent!r} is free for a retry.")
 
-    def renew(self, req: RenewInput) -> CallToolResult:
-        ticket = self.signer.open(req.prepared)
-        self.fence.renew(ticket, req.ttl)
+    def renew(self, req: RenewInput, d: Decision) -> CallToolResult:
+        ticket = self._open("renew", req.prepared, d)
+        t0 = time.perf_counter()
+        try:
+            self.fence.renew(ticket, req.ttl)
+        finally:
+            d.latency = time.perf_counter() - t0
+        d.outcome = "renewed"
         out = RenewOutput(
             status="renewed",
             intent=ticket.intent,
@@ -380,8 +523,14 @@ class _FenceTools:
         )
         return _ok(out, f"RENEWED: lease on {ticket.intent!r} extended.")
 
-    def status(self, req: StatusInput) -> CallToolResult:
-        st = self.fence.intent_status(req.intent)
+    def status(self, req: StatusInput, d: Decision) -> CallToolResult:
+        d.intent = req.intent
+        t0 = time.perf_counter()
+        try:
+            st = self.fence.intent_status(req.intent)
+        finally:
+            d.latency = time.perf_counter() - t0
+        d.outcome, d.domain, d.token = st.state, st.domain, st.token
         now = self.fence.store.now()
         fields: dict[str, Any] = {
             "token": st.token,
@@ -400,7 +549,8 @@ class _FenceTools:
         out = StatusOutput.model_validate({"intent": st.intent, "state": st.state, **fields})
         return _ok(out, f"STATUS: {st.intent!r} is {st.state}.")
 
-    def stats(self, req: StatsInput) -> CallToolResult:
+    def stats(self, req: StatsInput, d: Decision) -> CallToolResult:
+        d.outcome = "ok"
         s = self.fence.stats()
         cfg = self.fence.config
         events = {k: v for k, v in s.items() if k != "attempts" and type(v) is int}
@@ -423,7 +573,7 @@ class _FenceTools:
         )
         return _ok(out, f"STATS: {s['attempts']} prepare attempts.")
 
-    def verify(self, req: VerifyInput) -> CallToolResult:
+    def verify(self, req: VerifyInput, d: Decision) -> CallToolResult:
         if (req.cert is None) == (req.chain is None):
             raise InvalidRequest("fence_verify: pass exactly one of `cert` or `chain`")
         if req.cert is not None:
@@ -444,6 +594,7 @@ class _FenceTools:
                     reason=rep.reason,
                 )
         verdict = "OK" if out.ok else "BROKEN"
+        d.outcome = "ok" if out.ok else "broken"
         return _ok(out, f"VERIFY {out.kind}: {verdict}{': ' + out.reason if out.reason else ''}")
 
     def _verify_one(self, model: CertModel) -> VerifyOutput:
@@ -461,9 +612,15 @@ class _FenceTools:
         recorded = held is not None and held.hash == cert.hash
         return VerifyOutput(ok=True, kind="cert", length=1, reason="", recorded=recorded)
 
-    def clear(self, req: ClearInput) -> CallToolResult:
-        previous = self.fence.intent_status(req.intent).state
-        cleared = self.fence.clear_intent(req.intent)
+    def clear(self, req: ClearInput, d: Decision) -> CallToolResult:
+        d.intent = req.intent
+        t0 = time.perf_counter()
+        try:
+            previous = self.fence.intent_status(req.intent).state
+            cleared = self.fence.clear_intent(req.intent)
+        finally:
+            d.latency = time.perf_counter() - t0
+        d.outcome = "cleared" if cleared else "absent"
         out = ClearOutput(intent=req.intent, cleared=cleared, previous_state=previous)
         verb = "CLEARED" if cleared else "NOTHING TO CLEAR"
         return _ok(out, f"{verb}: {req.intent!r} (was {previous}).")
@@ -473,7 +630,10 @@ class _FenceTools:
         cfg = self.fence.config
         while True:
             await anyio.sleep(cfg.sweep_interval)
-            self.fence.sweep(cfg.sweep_batch)
+            if self.offload:
+                await anyio.to_thread.run_sync(self.fence.sweep, cfg.sweep_batch)
+            else:
+                self.fence.sweep(cfg.sweep_batch)
             self.idle_sweeps += 1
 
 
@@ -482,16 +642,28 @@ def build_server(
     *,
     allow_clear: bool = False,
     signer: TicketSigner | None = None,
+    metrics: Metrics | None = None,
+    authenticated: bool = False,
 ) -> MCPServer[None]:
     """An MCP server exposing ``fence`` (a fresh in-memory fence by default).
 
     ``fence_clear`` is registered only with ``allow_clear``. Tickets are sealed by
     ``signer`` (default: key from ``EFFECTFENCE_TICKET_KEY``, else random per server).
+    Calls are counted in ``metrics`` (give one to read it, e.g. for ``/metrics``).
+    ``authenticated``: every call must carry a principal (the HTTP gate's), which is the
+    certificate's agent; ``agent`` becomes optional and is ignored.
     """
     fence = fence if fence is not None else EffectFence()
     if signer is None:
         signer = TicketSigner(scope=fence.store.ticket_scope)
-    tools = _FenceTools(fence, signer, allow_clear)
+    tools = _FenceTools(
+        fence,
+        signer,
+        allow_clear,
+        metrics=metrics if metrics is not None else Metrics(),
+        authenticated=authenticated,
+    )
+    prepare_input: type[PrepareInput] = PrepareInputAuthenticated if authenticated else PrepareInput
 
     @asynccontextmanager
     async def lifespan(app: MCPServer[None]) -> AsyncIterator[None]:
@@ -508,11 +680,12 @@ def build_server(
             "fence_prepare",
             "Prepare a side effect",
             _PREPARE_DESC,
-            PrepareInput,
+            prepare_input,
             PrepareOutput,
             # not idempotent: a repeat after the lease lapsed takes the intent over
             _annotations("Prepare a side effect"),
             tools.prepare,
+            tools,
             on_invalid=lambda: fence.count_refused_prepare("invalid_request"),
         ),
         _tool(
@@ -524,6 +697,7 @@ def build_server(
             # a repeated commit with the same ticket is refused and changes nothing
             _annotations("Commit a side effect's result", idempotent=True),
             tools.commit,
+            tools,
         ),
         _tool(
             "fence_abort",
@@ -534,6 +708,7 @@ def build_server(
             # replaces the live lease with a fence that blocks every retry
             _annotations("Abort: outcome unknown", destructive=True, idempotent=True),
             tools.abort,
+            tools,
         ),
         _tool(
             "fence_release",
@@ -544,6 +719,7 @@ def build_server(
             # deletes the in-flight record
             _annotations("Release: it did not fire", destructive=True, idempotent=True),
             tools.release,
+            tools,
         ),
         _tool(
             "fence_renew",
@@ -553,6 +729,7 @@ def build_server(
             RenewOutput,
             _annotations("Renew a lease", idempotent=True),
             tools.renew,
+            tools,
         ),
         _tool(
             "fence_status",
@@ -562,6 +739,7 @@ def build_server(
             StatusOutput,
             _annotations("Intent status", read_only=True, idempotent=True),
             tools.status,
+            tools,
         ),
         _tool(
             "fence_stats",
@@ -571,6 +749,7 @@ def build_server(
             StatsOutput,
             _annotations("Fence statistics", read_only=True, idempotent=True),
             tools.stats,
+            tools,
         ),
         _tool(
             "fence_verify",
@@ -580,6 +759,7 @@ def build_server(
             VerifyOutput,
             _annotations("Verify certificates", read_only=True, idempotent=True),
             tools.verify,
+            tools,
         ),
     ]
     if allow_clear:
@@ -592,6 +772,7 @@ def build_server(
                 ClearOutput,
                 _annotations("Clear an intent (operator)", destructive=True, idempotent=True),
                 tools.clear,
+                tools,
             )
         )
     return MCPServer(
@@ -620,11 +801,26 @@ def _store_label(url: str) -> str:
     return f"{word}://..." if rest.startswith("://") else word
 
 
+def open_fence(store_url: str, config: FenceConfig) -> EffectFence:
+    """The one place ``serve`` builds its fence from a store URL.
+
+    Raises ValueError (with a message fit for the command line, never echoing credentials)
+    for a store this build cannot open."""
+    if store_url.strip().lower() not in _MEMORY_STORES:
+        raise ValueError(
+            f"unsupported store {_store_label(store_url)!r}: only the in-memory store exists "
+            "today (use --store memory, or leave it out)"
+        )
+    return EffectFence(config)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``effectfence serve``: run the fence as a stdio MCP server until stdin closes."""
+    """``effectfence serve``: run the fence as an MCP server, over stdio until stdin closes,
+    or over streamable HTTP (``--http``) until interrupted."""
     parser = argparse.ArgumentParser(
         prog="effectfence serve",
-        description="Run the effectfence MCP server over stdio (zero configuration: in memory).",
+        description="Run the effectfence MCP server: over stdio (default, one agent process) "
+        "or streamable HTTP (--http, many agents sharing one fence).",
     )
     parser.add_argument(
         "--store",
@@ -652,21 +848,83 @@ def main(argv: list[str] | None = None) -> int:
         default=_env_flag(ALLOW_CLEAR_ENV),
         help=f"register the operator tool fence_clear (or set {ALLOW_CLEAR_ENV}=1)",
     )
+    parser.add_argument(
+        "--http",
+        metavar="[HOST:]PORT",
+        help="serve streamable HTTP at http://HOST:PORT/mcp (HOST defaults to 127.0.0.1; "
+        "PORT 0 picks a free one), with /healthz and /metrics",
+    )
+    parser.add_argument(
+        "--tokens",
+        type=Path,
+        metavar="FILE",
+        help="HTTP bearer tokens, one 'principal token' (or 'principal sha256:HEX') a line; "
+        "every request must carry one, and the principal is the certificates' agent. "
+        "Required to bind a non-loopback address.",
+    )
+    parser.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="HOST[:PORT]",
+        help="HTTP: a further Host header to accept (DNS-rebinding protection admits only "
+        "loopback names and the bound address otherwise); repeatable",
+    )
+    parser.add_argument(
+        "--log-level",
+        choices=["off", "debug", "info", "warning"],
+        default=None,
+        help="one JSON line per decision on stderr at INFO (default: off over stdio, "
+        "info over HTTP); never the args or the result",
+    )
     args = parser.parse_args(argv)
-    if args.store.strip().lower() not in _MEMORY_STORES:
-        parser.error(
-            f"unsupported store {_store_label(args.store)!r}: only the in-memory store exists "
-            "today (use --store memory, or leave it out)"
-        )
+    bind = None
+    principals = None
+    if args.http is not None:
+        from effectfence.mcp import http
+
+        try:
+            bind = http.parse_bind(args.http)
+            if args.tokens is not None:
+                principals = http.Principals.load(args.tokens)
+            http.check_exposure(bind[0], principals)
+        except ValueError as exc:
+            parser.error(str(exc))
+    elif args.tokens is not None or args.allow_host:
+        parser.error("--tokens and --allow-host apply to --http only")
     try:
-        fence = EffectFence(FenceConfig(lease_ttl=args.lease_ttl, result_ttl=args.result_ttl))
+        config = FenceConfig(lease_ttl=args.lease_ttl, result_ttl=args.result_ttl)
+        fence = open_fence(args.store, config)
         signer = TicketSigner(scope=fence.store.ticket_scope)
     except ValueError as exc:
         hint = f" (check {TICKET_KEY_ENV})" if "key" in str(exc) else ""
         parser.error(f"{exc}{hint}")
-    server = build_server(fence, allow_clear=args.allow_clear, signer=signer)
+    configure_logging(args.log_level or ("off" if bind is None else "info"))
+    metrics = Metrics()
+    server = build_server(
+        fence,
+        allow_clear=args.allow_clear,
+        signer=signer,
+        metrics=metrics,
+        authenticated=principals is not None,
+    )
     try:
-        server.run("stdio")
+        if bind is None:
+            server.run("stdio")
+        else:
+            from effectfence.mcp import http
+
+            anyio.run(
+                lambda: http.serve_http(
+                    server,
+                    fence,
+                    metrics,
+                    host=bind[0],
+                    port=bind[1],
+                    principals=principals,
+                    allowed_hosts=args.allow_host,
+                )
+            )
     except KeyboardInterrupt:
         return 130
     return 0

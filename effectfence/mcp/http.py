@@ -1,0 +1,386 @@
+"""Streamable HTTP: one server and one fence shared by many agents, who are named by tokens.
+
+The path of a request::
+
+    client ── uvicorn ── _Gate ──────────────────── the SDK's Starlette app ── the tools
+                          │ /healthz  (no token: is the store reachable?)    /mcp: DNS-rebinding
+                          │ bearer token -> principal, else 401                protection, body
+                          │ /metrics  (Prometheus text)                        limit, sessions
+                          └ the principal rides in the ASGI scope (PRINCIPAL_SCOPE_KEY)
+
+Rules, each enforced here and nowhere else:
+
+1. With a tokens file, every request but ``/healthz`` carries ``Authorization: Bearer
+   <token>`` naming a principal, or is answered 401 before anything reads it. The check
+   runs per request, not per session: a session id is not a credential.
+2. Without a tokens file the server binds only a loopback address (``check_exposure``):
+   an open fence on a network would let anyone prepare and commit.
+3. DNS-rebinding protection (the SDK's Host and Origin checks) is always on; the allowed
+   hosts are the loopback names, the bound address and what the operator adds. Our own
+   routes get the same checks.
+
+The principal is the certificate's agent (:mod:`effectfence.mcp.server` reads it from the
+scope); tokens are compared by their SHA-256, so the file may hold hashes instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import json
+import re
+import socket
+import stat
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import anyio
+from mcp.server import MCPServer
+from mcp.server.transport_security import TransportSecurityMiddleware, TransportSecuritySettings
+from starlette.requests import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from effectfence.fence import EffectFence
+from effectfence.mcp.server import PRINCIPAL_SCOPE_KEY
+from effectfence.mcp.telemetry import Metrics
+
+__all__ = [
+    "HEALTH_PATH",
+    "MCP_PATH",
+    "METRICS_PATH",
+    "Principals",
+    "check_exposure",
+    "is_loopback",
+    "parse_bind",
+    "serve_http",
+]
+
+MCP_PATH = "/mcp"
+HEALTH_PATH = "/healthz"
+METRICS_PATH = "/metrics"
+DEFAULT_HOST = "127.0.0.1"
+#: a plain token shorter than this is refused: it could be guessed
+MIN_TOKEN_LENGTH = 16
+HEALTH_TIMEOUT = 5.0
+_PRINCIPAL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@:+-]{0,127}")
+_TOKEN = re.compile(r"[\x21-\x7e]+")  # visible ASCII, as a header value carries it
+_HASHED = re.compile(r"sha256:([0-9a-f]{64})")
+_LOOPBACK_NAMES = ("localhost",)
+
+
+class Principals:
+    """Bearer tokens and the principals they name, read from a file the operator controls.
+
+    One entry a line: ``principal token`` or ``principal sha256:<hex of the token's
+    SHA-256>``; blank lines and ``#`` comments are skipped. A principal may have several
+    tokens (rotation); a token names exactly one principal."""
+
+    __slots__ = ("_by_digest", "plain")
+
+    def __init__(self, by_digest: dict[str, str], *, plain: bool = False) -> None:
+        if not by_digest:
+            raise ValueError("no tokens: a tokens file needs at least one 'principal token' line")
+        self._by_digest = dict(by_digest)
+        #: whether any token was given in clear (the file is then a secret itself)
+        self.plain = plain
+
+    def __repr__(self) -> str:
+        return f"Principals(<{len(self._by_digest)} tokens hidden>)"
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(self._by_digest.values())
+
+    @classmethod
+    def parse(cls, text: str, *, source: str = "tokens") -> Principals:
+        by_digest: dict[str, str] = {}
+        plain = False
+        for n, raw in enumerate(text.splitlines(), 1):
+            line = raw.strip()
+            if not line or line.startswith("#"):
+                continue
+            parts = line.split()
+            where = f"{source}:{n}"
+            if len(parts) != 2:
+                raise ValueError(f"{where}: expected 'principal token', got {len(parts)} words")
+            name, secret = parts
+            if not _PRINCIPAL.fullmatch(name):
+                raise ValueError(
+                    f"{where}: a principal is 1-128 letters, digits or ._@:+- "
+                    "(starting with a letter or digit)"
+                )
+            hashed = _HASHED.fullmatch(secret)
+            if hashed:
+                digest = hashed.group(1)
+            elif secret.startswith("sha256:"):
+                raise ValueError(f"{where}: a hashed token is sha256: and 64 lowercase hex digits")
+            elif len(secret) < MIN_TOKEN_LENGTH or not _TOKEN.fullmatch(secret):
+                raise ValueError(
+                    f"{where}: a token is at least {MIN_TOKEN_LENGTH} visible ASCII characters "
+                    "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')"
+                )
+            else:
+                digest = hashlib.sha256(secret.encode()).hexdigest()
+                plain = True
+            if by_digest.get(digest, name) != name:
+                raise ValueError(f"{where}: this token already names another principal")
+            by_digest[digest] = name
+        return cls(by_digest, plain=plain)
+
+    @classmethod
+    def load(cls, path: Path) -> Principals:
+        try:
+            text = path.read_text(encoding="utf-8")
+            mode = path.stat().st_mode
+        except OSError as exc:
+            raise ValueError(f"cannot read the tokens file {str(path)!r}: {exc.strerror}") from exc
+        principals = cls.parse(text, source=str(path))
+        if principals.plain and mode & (stat.S_IRWXG | stat.S_IRWXO):
+            print(
+                f"effectfence serve: warning: {path} holds plain tokens and is readable by "
+                "others; chmod 600 it, or store sha256: hashes",
+                file=sys.stderr,
+            )
+        return principals
+
+    def authenticate(self, authorization: str | None) -> str | None:
+        """The principal an ``Authorization`` header value names, or None."""
+        if not authorization:
+            return None
+        scheme, _, token = authorization.partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            return None
+        # looked up by digest: no comparison ever runs on the secret itself
+        return self._by_digest.get(hashlib.sha256(token.encode()).hexdigest())
+
+
+def parse_bind(value: str) -> tuple[str, int]:
+    """``PORT``, ``HOST:PORT`` or ``[IPV6]:PORT`` -> (host, port); host defaults to loopback."""
+    value = value.strip()
+    host, port_text = DEFAULT_HOST, value
+    if value.startswith("["):
+        end = value.find("]")
+        if end < 0 or value[end + 1 : end + 2] != ":":
+            raise ValueError(f"--http {value!r}: expected [IPV6]:PORT")
+        host, port_text = value[1:end], value[end + 2 :]
+    elif ":" in value:
+        host, _, port_text = value.rpartition(":")
+    if not host or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ValueError(f"--http {value!r}: expected [HOST:]PORT with PORT in 0-65535")
+    return host, int(port_text)
+
+
+def is_loopback(host: str) -> bool:
+    if host.lower() in _LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name may resolve anywhere
+
+
+def check_exposure(host: str, principals: Principals | None) -> None:
+    """Refuse (ValueError) to bind a non-loopback address without authentication."""
+    if principals is None and not is_loopback(host):
+        raise ValueError(
+            f"refusing to serve on {host}: it is not a loopback address and no --tokens file "
+            "was given, so anyone who can reach it could prepare, commit and abort effects. "
+            "Pass --tokens FILE (one 'principal token' a line), or bind 127.0.0.1."
+        )
+
+
+def _host_patterns(host: str, extra: Iterable[str]) -> list[str]:
+    hosts = ["127.0.0.1:*", "localhost:*", "[::1]:*"]
+    if not is_loopback(host) and host not in ("0.0.0.0", "::"):
+        hosts.append(f"[{host}]:*" if ":" in host else f"{host}:*")
+    for h in extra:
+        hosts.extend([h] if ":" in h.replace("[", "").split("]")[-1] else [h, f"{h}:*"])
+    return hosts
+
+
+def security_settings(host: str, extra_hosts: Iterable[str] = ()) -> TransportSecuritySettings:
+    """The SDK's DNS-rebinding protection, on, for the loopback names, the bound address
+    and the hosts the operator adds (a wildcard bind adds none: name them)."""
+    hosts = _host_patterns(host, extra_hosts)
+    origins = [f"{scheme}://{h}" for h in hosts for scheme in ("http", "https")]
+    return TransportSecuritySettings(
+        enable_dns_rebinding_protection=True, allowed_hosts=hosts, allowed_origins=origins
+    )
+
+
+async def _respond(
+    send: Send,
+    status: int,
+    body: bytes,
+    content_type: str = "application/json",
+    headers: Iterable[tuple[bytes, bytes]] = (),
+) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", content_type.encode()),
+                (b"content-length", str(len(body)).encode()),
+                (b"cache-control", b"no-store"),
+                *headers,
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+def _json(data: dict[str, Any]) -> bytes:
+    return json.dumps(data, separators=(",", ":")).encode()
+
+
+class _Gate:
+    """Authentication, health and metrics in front of the SDK's app (see the module doc)."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        fence: EffectFence,
+        metrics: Metrics,
+        principals: Principals | None,
+        security: TransportSecuritySettings,
+    ) -> None:
+        self.app = app
+        self.fence = fence
+        self.metrics = metrics
+        self.principals = principals
+        self.security = TransportSecurityMiddleware(security)
+        self.offload = fence.store.name != "memory"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)  # lifespan
+            return
+        path = scope["path"]
+        if path in (HEALTH_PATH, METRICS_PATH):
+            refused = await self.security.validate_request(Request(scope), is_post=False)
+            if refused is not None:
+                await refused(scope, receive, send)
+                return
+        if path == HEALTH_PATH:
+            await self._health(send)
+            return
+        if self.principals is not None:
+            headers = dict(scope["headers"])
+            raw = headers.get(b"authorization")
+            principal = self.principals.authenticate(raw.decode("latin-1") if raw else None)
+            if principal is None:
+                await _respond(
+                    send,
+                    401,
+                    _json(
+                        {
+                            "error": "unauthorized",
+                            "message": "send Authorization: Bearer <token> with a token from "
+                            "this server's tokens file",
+                        }
+                    ),
+                    headers=[(b"www-authenticate", b'Bearer realm="effectfence"')],
+                )
+                return
+            scope = {**scope, PRINCIPAL_SCOPE_KEY: principal}
+        if path == METRICS_PATH:
+            await self._metrics(send)
+            return
+        await self.app(scope, receive, send)
+
+    async def _health(self, send: Send) -> None:
+        def probe() -> None:
+            # a query: never creates state, but goes all the way to the store
+            self.fence.intent_status("effectfence:healthz")
+
+        try:
+            with anyio.fail_after(HEALTH_TIMEOUT):
+                if self.offload:
+                    await anyio.to_thread.run_sync(probe, abandon_on_cancel=True)
+                else:
+                    probe()
+        except Exception as exc:  # any failure means: not healthy
+            body = {"ok": False, "store": self.fence.store.name, "error": type(exc).__name__}
+            await _respond(send, 503, _json(body))
+            return
+        await _respond(send, 200, _json({"ok": True, "store": self.fence.store.name}))
+
+    async def _metrics(self, send: Send) -> None:
+        if self.offload:
+            stats = await anyio.to_thread.run_sync(self.fence.stats)
+        else:
+            stats = self.fence.stats()
+        text = self.metrics.render(self.fence, stats)
+        await _respond(send, 200, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
+
+
+def build_app(
+    server: MCPServer[Any],
+    fence: EffectFence,
+    metrics: Metrics,
+    *,
+    host: str,
+    principals: Principals | None,
+    allowed_hosts: Iterable[str] = (),
+) -> ASGIApp:
+    """The ASGI app ``serve_http`` runs: the gate around the SDK's streamable HTTP app."""
+    check_exposure(host, principals)
+    security = security_settings(host, allowed_hosts)
+    app = server.streamable_http_app(
+        streamable_http_path=MCP_PATH, transport_security=security, host=host
+    )
+    return _Gate(app, fence=fence, metrics=metrics, principals=principals, security=security)
+
+
+async def serve_http(
+    server: MCPServer[Any],
+    fence: EffectFence,
+    metrics: Metrics,
+    *,
+    host: str = DEFAULT_HOST,
+    port: int = 0,
+    principals: Principals | None = None,
+    allowed_hosts: Iterable[str] = (),
+) -> None:
+    """Serve until interrupted. Once the socket listens, one JSON line on stderr says where
+    (``{"event": "listening", "url": ...}``; with port 0 it names the port picked)."""
+    import uvicorn
+
+    app = build_app(
+        server, fence, metrics, host=host, principals=principals, allowed_hosts=allowed_hosts
+    )
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(1024)
+    except OSError as exc:
+        sock.close()
+        msg = f"effectfence serve: cannot listen on {host}:{port}: {exc.strerror}"
+        raise SystemExit(msg) from None
+    bound = sock.getsockname()[1]
+    shown = f"[{host}]" if ":" in host else host
+    line = {
+        "event": "listening",
+        "url": f"http://{shown}:{bound}{MCP_PATH}",
+        "health": f"http://{shown}:{bound}{HEALTH_PATH}",
+        "metrics": f"http://{shown}:{bound}{METRICS_PATH}",
+        "authentication": "bearer" if principals is not None else "none (loopback only)",
+        "store": fence.store.name,
+    }
+    print(json.dumps(line), file=sys.stderr, flush=True)
+    config = uvicorn.Config(
+        app,
+        log_config=None,  # ours: JSON lines (see telemetry.configure_logging)
+        access_log=False,
+        lifespan="on",
+        server_header=False,
+        timeout_graceful_shutdown=3,
+    )
+    await uvicorn.Server(config).serve(sockets=[sock])

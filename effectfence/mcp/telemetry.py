@@ -1,0 +1,238 @@
+"""What the MCP server tells its operator: one log line per decision, and Prometheus metrics.
+
+Both are fed by the same record, a :class:`Decision`, filled in while a tool call runs:
+who asked (the principal, when the transport names one), about which intent and domain,
+what the fence answered (``fresh``, ``replay``, ``committed``, ... or a refusal code), the
+fencing token and how long the fence (and so its store) took. Never the args or the result:
+they are the caller's data and may carry secrets.
+
+Logs are standard :mod:`logging` on the ``effectfence.mcp.decisions`` logger at INFO, so an
+embedding application routes them as it likes; ``effectfence serve`` writes them as JSON lines
+on stderr (:func:`configure_logging`). Metrics are plain counters updated on the event loop
+thread (one writer, no locks) and rendered in the Prometheus text format (version 0.0.4) by
+:meth:`Metrics.render`; the fence's own statistics are read at render time.
+
+This module imports neither ``mcp`` nor any HTTP library.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from effectfence.fence import EffectFence
+
+__all__ = ["DECISION_LOGGER", "Decision", "Metrics", "configure_logging"]
+
+DECISION_LOGGER = "effectfence.mcp.decisions"
+_log = logging.getLogger(DECISION_LOGGER)
+
+#: upper bounds (seconds) of the fence-latency histogram: a memory fence answers in
+#: microseconds, a SQLite one in tens of microseconds to milliseconds, a remote one in more
+LATENCY_BUCKETS = (
+    0.000_01,
+    0.000_025,
+    0.000_05,
+    0.000_1,
+    0.000_25,
+    0.000_5,
+    0.001,
+    0.002_5,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+)
+
+
+class Decision:
+    """One tool call as the operator sees it. Filled in by the tool, logged by the server."""
+
+    __slots__ = ("domain", "intent", "latency", "outcome", "principal", "token", "tool")
+
+    def __init__(self, tool: str, principal: str | None) -> None:
+        self.tool = tool
+        self.principal = principal
+        self.intent: str | None = None
+        self.domain: str | None = None
+        self.token: int | None = None
+        self.outcome = "error"
+        #: seconds spent in the fence (the store's share of the call), None if not reached
+        self.latency: float | None = None
+
+    def log(self) -> None:
+        if _log.isEnabledFor(logging.INFO):
+            _log.info("decision", extra={"decision": self.fields()})
+
+    def fields(self) -> dict[str, Any]:
+        return {
+            "tool": self.tool,
+            "intent": self.intent,
+            "domain": self.domain,
+            "principal": self.principal,
+            "outcome": self.outcome,
+            "token": self.token,
+            "latency_ms": None if self.latency is None else round(self.latency * 1000, 3),
+        }
+
+
+class _JsonLines(logging.Formatter):
+    """Every record as one JSON object: decisions carry their fields, others a message."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, Any] = {
+            "ts": round(record.created, 6),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+        }
+        decision = getattr(record, "decision", None)
+        if isinstance(decision, dict):
+            line["event"] = "decision"
+            line.update(decision)
+        else:
+            line["message"] = record.getMessage()
+            if record.exc_info:
+                line["exc"] = self.formatException(record.exc_info)
+        return json.dumps(line, separators=(",", ":"), default=str)
+
+
+def configure_logging(level: str) -> None:
+    """JSON lines on stderr at ``level`` (``off`` for nothing but warnings of the SDK)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_JsonLines())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.WARNING)
+    decisions = logging.getLogger(DECISION_LOGGER)
+    if level == "off":
+        decisions.setLevel(logging.CRITICAL + 1)
+    else:
+        decisions.setLevel(level.upper())
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _labels(**labels: str) -> str:
+    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items()) + "}"
+
+
+class Metrics:
+    """Counters for the Prometheus text format, fed with :class:`Decision` records."""
+
+    def __init__(self) -> None:
+        self.calls: Counter[tuple[str, str]] = Counter()
+        self.in_flight = 0
+        self._bounds = LATENCY_BUCKETS
+        self._hist: dict[str, list[int]] = {}
+        self._sum: dict[str, float] = {}
+        self.started = time.time()
+
+    def observe(self, d: Decision) -> None:
+        self.calls[(d.tool, d.outcome)] += 1
+        if d.latency is not None:
+            buckets = self._hist.get(d.tool)
+            if buckets is None:
+                buckets = self._hist[d.tool] = [0] * (len(self._bounds) + 1)
+            buckets[bisect.bisect_left(self._bounds, d.latency)] += 1
+            self._sum[d.tool] = self._sum.get(d.tool, 0.0) + d.latency
+        # tickets handed out minus tickets finished through this server; a lapsed lease
+        # counts until it is taken over (that fresh answer does not add one)
+        # (a takeover both opens one and ends the lapsed one: no change)
+        if d.outcome == "fresh":
+            self.in_flight += 1
+        elif d.outcome in ("committed", "aborted", "released") or (
+            d.tool == "fence_commit" and d.outcome == "read_set_stale"
+        ):
+            self.in_flight = max(0, self.in_flight - 1)
+
+    def render(self, fence: EffectFence, stats: dict[str, Any] | None = None) -> str:
+        from effectfence import __version__
+
+        s = stats if stats is not None else fence.stats()
+        out: list[str] = []
+
+        def family(name: str, kind: str, help_: str, samples: Iterable[tuple[str, float]]) -> None:
+            out.append(f"# HELP {name} {help_}")
+            out.append(f"# TYPE {name} {kind}")
+            for labels, value in samples:
+                v = repr(float(value)) if isinstance(value, float) else str(value)
+                out.append(f"{name}{labels} {v}")
+
+        family(
+            "effectfence_info",
+            "gauge",
+            "This server: version, store and counter table.",
+            [(_labels(version=__version__, store=str(s["store"]), counters=str(s["counters"])), 1)],
+        )
+        family(
+            "effectfence_prepare_attempts_total",
+            "counter",
+            "Prepare attempts by outcome: admitted, replayed, or the refusal code.",
+            [(_labels(outcome=k), v) for k, v in s["prepare"].items()],
+        )
+        for event, help_ in (
+            ("commits", "Effects committed (certificates minted)."),
+            ("aborts", "Attempts aborted: outcome unknown, intent fenced."),
+            ("releases", "Attempts released: the effect did not fire."),
+            ("renewals", "Leases renewed."),
+            ("takeovers", "Lapsed leases taken over by a new attempt."),
+            ("clears", "Intents cleared by an operator."),
+            ("reclaimed", "Expired records reclaimed by sweeps."),
+            ("stale_commits", "Commits refused read_set_stale (the intent failed)."),
+            ("refused_ticket_ops", "Commit, abort, release or renew refused by the fence."),
+        ):
+            if event in s:
+                family(f"effectfence_{event}_total", "counter", help_, [("", s[event])])
+        family(
+            "effectfence_tool_calls_total",
+            "counter",
+            "MCP tool calls by tool and outcome (the answer, or the refusal code).",
+            [(_labels(tool=t, outcome=o), n) for (t, o), n in sorted(self.calls.items())],
+        )
+        family(
+            "effectfence_in_flight",
+            "gauge",
+            "Tickets handed out by this server not yet committed, aborted or released "
+            "through it (a lapsed lease counts until it is taken over).",
+            [("", self.in_flight)],
+        )
+        family(
+            "effectfence_store_records",
+            "gauge",
+            "Intent records the store holds now (in flight, done and failed).",
+            [("", int(s.get("size", {}).get("records", 0)))],
+        )
+        out.append(
+            "# HELP effectfence_fence_seconds Time spent in the fence (its store) per tool call."
+        )
+        out.append("# TYPE effectfence_fence_seconds histogram")
+        for tool in sorted(self._hist):
+            counts = self._hist[tool]
+            running = 0
+            for bound, n in zip((*self._bounds, float("inf")), counts, strict=True):
+                running += n
+                le = "+Inf" if bound == float("inf") else repr(bound)
+                out.append(f"effectfence_fence_seconds_bucket{_labels(tool=tool, le=le)} {running}")
+            out.append(f"effectfence_fence_seconds_sum{_labels(tool=tool)} {self._sum[tool]!r}")
+            out.append(f"effectfence_fence_seconds_count{_labels(tool=tool)} {running}")
+        family(
+            "effectfence_start_time_seconds",
+            "gauge",
+            "When this server started (Unix time).",
+            [("", self.started)],
+        )
+        return "\n".join(out) + "\n"

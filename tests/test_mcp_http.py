@@ -1,0 +1,424 @@
+"""``effectfence serve --http`` as a real subprocess on 127.0.0.1 (an ephemeral port).
+
+Many agents, one fence: principals named by bearer tokens race for one intent, and only
+the winner can finish it; requests without a valid token are refused before anything reads
+them; DNS-rebinding protection holds; bytes no client would send change nothing; health,
+metrics and the decision log say what happened, never with the args.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx2 as httpx
+import pytest
+from mcp import ClientSession
+from mcp_support import HttpServer, child_env, http_server, http_session
+from mcp_types import CallToolResult
+
+from effectfence.mcp.http import Principals, check_exposure, parse_bind
+
+pytestmark = pytest.mark.anyio
+
+SERVE = [sys.executable, "-m", "effectfence", "serve"]
+TOKENS = {
+    "alice": "alice-0123456789abcdef-token",
+    "bob": "bob-0123456789abcdef-token-x",
+}
+OTHER_SERVER_TOKEN = "carol-0123456789abcdef-token"
+SECRET_ARG = "tok_visa_SECRET_4242"
+TIMEOUT = 30
+MAX_BODY = 4 * 1024 * 1024  # the SDK's default request body limit
+MCP_HEADERS = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpServer]:
+    """One shared server: alice by a plain token, bob by a hashed one."""
+    import hashlib
+
+    tokens = tmp_path_factory.mktemp("tokens") / "tokens"
+    bob = hashlib.sha256(TOKENS["bob"].encode()).hexdigest()
+    tokens.write_text(f"# principals\nalice {TOKENS['alice']}\n\nbob sha256:{bob}\n")
+    tokens.chmod(0o600)
+    with http_server([*SERVE, "--http", "127.0.0.1:0", "--tokens", str(tokens)]) as srv:
+        yield srv
+
+
+def req(intent: str, agent: str = "typed-by-caller") -> dict[str, Any]:
+    return {
+        "intent": intent,
+        "domain": "order:1",
+        "tool": "charge_card",
+        "args": {"cents": 500, "card": SECRET_ARG},
+        "agent": agent,
+    }
+
+
+def ok(result: CallToolResult) -> dict[str, Any]:
+    assert not result.is_error, result.content
+    assert result.structured_content is not None
+    return result.structured_content
+
+
+def code(result: CallToolResult) -> str:
+    assert result.is_error and result.structured_content is not None, result
+    return str(result.structured_content["code"])
+
+
+async def state(session: ClientSession, intent: str) -> tuple[Any, ...]:
+    st = ok(await session.call_tool("fence_status", {"intent": intent}))
+    stats = ok(await session.call_tool("fence_stats", {}))
+    return (st.get("state"), st.get("token"), st.get("holder"), stats["size"], stats["events"])
+
+
+# -- principals -----------------------------------------------------------------------------
+
+
+async def test_two_principals_race_sixteen_prepares_and_only_the_winner_finishes(
+    server: HttpServer,
+) -> None:
+    async with (
+        http_session(server.url, TOKENS["alice"]) as alice,
+        http_session(server.url, TOKENS["bob"]) as bob,
+    ):
+        sessions = {"alice": alice, "bob": bob}
+        results: list[tuple[str, CallToolResult]] = []
+        go = anyio.Event()
+
+        async def attempt(who: str) -> None:
+            await go.wait()  # all 16 start together
+            results.append((who, await sessions[who].call_tool("fence_prepare", req("race:1"))))
+
+        async with anyio.create_task_group() as tg:
+            for i in range(16):
+                tg.start_soon(attempt, "alice" if i % 2 else "bob")
+            await anyio.sleep(0)
+            go.set()
+        fresh = [(who, r) for who, r in results if not r.is_error]
+        assert len(results) == 16 and len(fresh) == 1
+        assert {code(r) for _, r in results if r.is_error} == {"intent_in_flight"}
+        winner, won = fresh[0]
+        loser = "bob" if winner == "alice" else "alice"
+        ticket = ok(won)["prepared"]
+
+        # the other principal holds a genuine ticket string and still cannot use it
+        before = await state(sessions[loser], "race:1")
+        assert before[0] == "in_flight" and before[2] == winner
+        for tool, extra in (
+            ("fence_commit", {"result": {"charge": "ch_x"}}),
+            ("fence_abort", {"reason": "mine now"}),
+            ("fence_release", {}),
+            ("fence_renew", {}),
+        ):
+            refused = await sessions[loser].call_tool(tool, {"prepared": ticket, **extra})
+            assert code(refused) == "invalid_ticket", tool
+            assert "another principal" in refused.structured_content["message"]  # type: ignore[index]
+        assert await state(sessions[loser], "race:1") == before
+
+        # the winner commits; the certificate names its principal, not the typed agent
+        cert = ok(
+            await sessions[winner].call_tool(
+                "fence_commit", {"prepared": ticket, "result": {"charge": "ch_1"}}
+            )
+        )["cert"]
+        assert cert["agent"] == winner and winner in cert["vector_clock"]
+        replay = ok(await sessions[loser].call_tool("fence_prepare", req("race:1", loser)))
+        assert replay["status"] == "replay" and replay["cert"] == cert
+
+
+async def test_agent_is_optional_over_authenticated_http(server: HttpServer) -> None:
+    async with http_session(server.url, TOKENS["bob"]) as bob:
+        arguments = req("noagent:1")
+        del arguments["agent"]
+        tools = {t.name: t for t in (await bob.list_tools()).tools}
+        assert "agent" not in tools["fence_prepare"].input_schema.get("required", [])
+        fresh = ok(await bob.call_tool("fence_prepare", arguments))
+        cert = ok(await bob.call_tool("fence_commit", {"prepared": fresh["prepared"], "result": 1}))
+        assert cert["cert"]["agent"] == "bob"
+
+
+async def test_requests_without_a_valid_token_are_refused_and_change_nothing(
+    server: HttpServer,
+) -> None:
+    call = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "tools/call",
+        "params": {"name": "fence_prepare", "arguments": req("unauth:1")},
+    }
+    init = {
+        "jsonrpc": "2.0",
+        "id": 0,
+        "method": "initialize",
+        "params": {
+            "protocolVersion": "2025-11-25",
+            "capabilities": {},
+            "clientInfo": {"name": "raw", "version": "0"},
+        },
+    }
+    async with http_session(server.url, TOKENS["alice"]) as alice:
+        before = await state(alice, "unauth:1")
+        async with httpx.AsyncClient(timeout=TIMEOUT) as http:
+            for auth in (
+                None,
+                "Bearer",
+                "Bearer wrong-token-0123456789abcdef",
+                f"Bearer {OTHER_SERVER_TOKEN}",  # valid at another server, not here
+                f"Basic {TOKENS['alice']}",
+                f"Bearer sha256:{'0' * 64}",
+                TOKENS["alice"],  # no scheme
+            ):
+                headers = dict(MCP_HEADERS)
+                if auth is not None:
+                    headers["Authorization"] = auth
+                for body in (init, call):
+                    r = await http.post(server.url, json=body, headers=headers)
+                    assert r.status_code == 401, (auth, r.status_code, r.text)
+                    assert r.headers["www-authenticate"].startswith("Bearer")
+                    assert TOKENS["alice"] not in r.text
+                r = await http.get(server.base + "/metrics", headers=headers)
+                assert r.status_code == 401
+            health = await http.get(server.base + "/healthz")
+            assert health.status_code == 200 and health.json() == {"ok": True, "store": "memory"}
+        assert await state(alice, "unauth:1") == before
+        assert before[0] == "absent"
+
+
+def test_a_non_loopback_bind_without_tokens_is_refused_at_start() -> None:
+    for bind in ("0.0.0.0:0", "[::]:0", "192.0.2.7:8080", "example.com:80"):
+        proc = subprocess.run(
+            [*SERVE, "--http", bind],
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+            env=child_env(),
+            stdin=subprocess.DEVNULL,
+        )
+        assert proc.returncode == 2, (bind, proc.stderr)
+        assert "refusing to serve on" in proc.stderr and "--tokens FILE" in proc.stderr
+        assert "listening" not in proc.stderr
+
+
+def test_bind_and_exposure_rules() -> None:
+    assert parse_bind("8080") == ("127.0.0.1", 8080)
+    assert parse_bind("0.0.0.0:1") == ("0.0.0.0", 1)
+    assert parse_bind("[::1]:9") == ("::1", 9)
+    for bad in ("", "x", "host:", "host:70000", "[::1]9", ":80"):
+        with pytest.raises(ValueError):
+            parse_bind(bad)
+    check_exposure("127.0.0.1", None)
+    check_exposure("localhost", None)
+    check_exposure("::1", None)
+    principals = Principals.parse(f"alice {TOKENS['alice']}")
+    check_exposure("0.0.0.0", principals)
+    with pytest.raises(ValueError, match="refusing to serve"):
+        check_exposure("0.0.0.0", None)
+
+
+def test_tokens_file_rules(tmp_path: Path) -> None:
+    p = Principals.parse(f"alice {TOKENS['alice']}\n# c\n\nbob sha256:{'a' * 64}\n")
+    assert p.names == {"alice", "bob"} and "alice-0123" not in repr(p)
+    assert p.authenticate(f"Bearer {TOKENS['alice']}") == "alice"
+    assert p.authenticate(f"bearer {TOKENS['alice']}") == "alice"
+    assert p.authenticate(f"Bearer {TOKENS['alice']}x") is None
+    assert p.authenticate(None) is None
+    for bad, why in (
+        ("", "no tokens"),
+        ("alice short", "at least 16"),
+        ("alice", "expected 'principal token'"),
+        (f"al ice {TOKENS['alice']}", "expected"),
+        (f"-x {TOKENS['alice']}", "a principal is"),
+        ("alice sha256:abc", "64 lowercase hex"),
+        (f"alice {TOKENS['alice']}\nbob {TOKENS['alice']}", "another principal"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            Principals.parse(bad)
+    missing = tmp_path / "nope"
+    proc = subprocess.run(
+        [*SERVE, "--http", "0", "--tokens", str(missing)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=child_env(),
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 2 and "cannot read the tokens file" in proc.stderr
+
+
+# -- transport security and bytes no client would send ---------------------------------------
+
+
+async def _raw_session(http: httpx.AsyncClient, url: str, token: str) -> dict[str, str]:
+    """Initialize a session by hand; the headers every later request carries."""
+    headers = {**MCP_HEADERS, "Authorization": f"Bearer {token}"}
+    init = {
+        "jsonrpc": "2.0",
+        "id": 0,
+        "method": "initialize",
+        "params": {
+            "protocolVersion": "2025-11-25",
+            "capabilities": {},
+            "clientInfo": {"name": "raw", "version": "0"},
+        },
+    }
+    r = await http.post(url, json=init, headers=headers)
+    assert r.status_code == 200, r.text
+    headers["mcp-session-id"] = r.headers["mcp-session-id"]
+    note = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+    r = await http.post(url, json=note, headers=headers)
+    assert r.status_code in (200, 202), r.text
+    return headers
+
+
+async def test_dns_rebinding_protection_stays_on(server: HttpServer) -> None:
+    async with httpx.AsyncClient(timeout=TIMEOUT) as http:
+        auth = {"Authorization": f"Bearer {TOKENS['alice']}"}
+        r = await http.post(
+            server.url, content=b"{}", headers={**MCP_HEADERS, **auth, "Host": "evil.example"}
+        )
+        assert r.status_code == 421
+        r = await http.post(
+            server.url,
+            content=b"{}",
+            headers={**MCP_HEADERS, **auth, "Origin": "http://evil.example"},
+        )
+        assert r.status_code == 403
+        r = await http.get(server.base + "/metrics", headers={**auth, "Host": "evil.example"})
+        assert r.status_code == 421
+        r = await http.get(server.base + "/healthz", headers={"Host": "evil.example:80"})
+        assert r.status_code == 421
+
+
+async def test_http_survives_bytes_no_client_would_send(server: HttpServer) -> None:
+    """Malformed JSON-RPC, oversized bodies, wrong content types and methods, and a few
+    hundred mutations of a real call: each answered (no hang), the server alive, and no
+    state changed."""
+    async with (
+        http_session(server.url, TOKENS["alice"]) as alice,
+        httpx.AsyncClient(timeout=TIMEOUT) as http,
+    ):
+        before = await state(alice, "fuzz:1")
+        headers = await _raw_session(http, server.url, TOKENS["alice"])
+        status_call = json.dumps(
+            {
+                "jsonrpc": "2.0",
+                "id": 7,
+                "method": "tools/call",
+                "params": {"name": "fence_status", "arguments": {"intent": "fuzz:1"}},
+            }
+        ).encode()
+        prepare_call = json.dumps(
+            {
+                "jsonrpc": "2.0",
+                "id": 8,
+                "method": "tools/call",
+                "params": {"name": "fence_prepare", "arguments": {**req("fuzz:1"), "x": 1}},
+            }
+        ).encode()
+        bodies: list[tuple[bytes, dict[str, str]]] = [
+            (b"", headers),
+            (b"{", headers),
+            (b"null", headers),
+            (b"[]", headers),
+            (b"[1,2,3]", headers),
+            (b'{"jsonrpc":"2.0"}', headers),
+            (b'{"jsonrpc":"1.0","id":1,"method":"tools/list"}', headers),
+            (b'{"jsonrpc":"2.0","id":{},"method":"tools/call"}', headers),
+            (b"[" * 100_000 + b"]" * 100_000, headers),
+            (b"\xff\xfe\x00garbage", headers),
+            (b'{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"x":NaN}}', headers),
+            (prepare_call, headers),  # an unknown field: refused invalid_request, no trace
+            (status_call, {**headers, "Content-Type": "text/plain"}),
+            (status_call, {**headers, "Content-Type": "application/x-www-form-urlencoded"}),
+            (status_call, {k: v for k, v in headers.items() if k != "Content-Type"}),
+            (status_call, {**headers, "Accept": "text/html"}),
+            (status_call, {**headers, "mcp-session-id": "not-a-session"}),
+            (b"x" * (MAX_BODY + 1), headers),
+            (b'{"jsonrpc":"2.0","id":1,"method":"ping","pad":"' + b"x" * MAX_BODY + b'"}', headers),
+        ]
+        rng = random.Random(1313)
+        for _ in range(300):
+            b = bytearray(status_call)
+            for _ in range(rng.randint(1, 4)):
+                op = rng.randint(0, 2)
+                i = rng.randrange(len(b))
+                if op == 0:
+                    b[i] = rng.randrange(256)
+                elif op == 1:
+                    del b[i:]
+                    if not b:
+                        b = bytearray(b"{")
+                else:
+                    b[i:i] = bytes([rng.randrange(256)])
+            bodies.append((bytes(b), headers))
+        statuses: dict[int, int] = {}
+        with anyio.fail_after(240):
+            for body, h in bodies:
+                r = await http.post(server.url, content=body, headers=h)
+                statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+                assert r.status_code < 500, (body[:80], r.status_code, r.text[:200])
+            for method in ("PUT", "PATCH"):
+                r = await http.request(method, server.url, headers=headers)
+                assert 400 <= r.status_code < 500
+        assert statuses.get(413, 0) >= 2  # the oversized bodies
+        assert statuses.get(400, 0) + statuses.get(415, 0) > 0
+        health = await http.get(server.base + "/healthz")
+        assert health.status_code == 200
+        assert await state(alice, "fuzz:1") == before
+
+
+# -- health, metrics, decision log -----------------------------------------------------------
+
+
+async def test_metrics_and_decision_log(server: HttpServer) -> None:
+    async with http_session(server.url, TOKENS["alice"]) as alice:
+        t = ok(await alice.call_tool("fence_prepare", req("metrics:1")))["prepared"]
+        assert code(await alice.call_tool("fence_prepare", req("metrics:1"))) == (
+            "intent_in_flight"
+        )
+        ok(await alice.call_tool("fence_abort", {"prepared": t, "reason": SECRET_ARG}))
+        assert code(await alice.call_tool("fence_prepare", req("metrics:1"))) == "intent_failed"
+    async with httpx.AsyncClient(timeout=TIMEOUT) as http:
+        r = await http.get(
+            server.base + "/metrics", headers={"Authorization": f"Bearer {TOKENS['bob']}"}
+        )
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    samples: dict[str, float] = {}
+    for line in r.text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    assert samples['effectfence_prepare_attempts_total{outcome="intent_failed"}'] >= 1
+    assert samples['effectfence_prepare_attempts_total{outcome="admitted"}'] >= 1
+    assert samples['effectfence_tool_calls_total{tool="fence_abort",outcome="aborted"}'] >= 1
+    assert samples["effectfence_aborts_total"] >= 1
+    assert "effectfence_commits_total" in samples and "effectfence_takeovers_total" in samples
+    assert "effectfence_in_flight" in samples
+    assert samples['effectfence_fence_seconds_count{tool="fence_prepare"}'] >= 3
+    assert samples['effectfence_fence_seconds_bucket{tool="fence_prepare",le="+Inf"}'] >= 3
+
+    # one JSON line per decision, with the principal; never the args or the result
+    with anyio.fail_after(TIMEOUT):
+        while not any(d.get("outcome") == "intent_failed" for d in server.decisions()):
+            await anyio.sleep(0.05)
+    mine = [d for d in server.decisions() if d["intent"] == "metrics:1"]
+    assert [d["outcome"] for d in mine] == ["fresh", "intent_in_flight", "aborted", "intent_failed"]
+    for d in mine:
+        assert d["principal"] == "alice" and d["domain"] == "order:1"
+        assert set(d) >= {"tool", "intent", "domain", "principal", "outcome", "token", "latency_ms"}
+    assert mine[0]["token"] == mine[2]["token"] and mine[0]["latency_ms"] >= 0
+    assert not any(SECRET_ARG in line for line in server.lines)
