@@ -806,12 +806,12 @@ def open_fence(store_url: str, config: FenceConfig) -> EffectFence:
 
     Raises ValueError (with a message fit for the command line, never echoing credentials)
     for a store this build cannot open."""
-    if store_url.strip().lower() not in _MEMORY_STORES:
-        raise ValueError(
-            f"unsupported store {_store_label(store_url)!r}: only the in-memory store exists "
-            "today (use --store memory, or leave it out)"
-        )
-    return EffectFence(config)
+    from effectfence.store import StoreURLError
+
+    try:
+        return EffectFence.from_url(store_url, config)
+    except StoreURLError as exc:
+        raise ValueError(str(exc)) from exc
 
 
 def main(argv: list[str] | None = None) -> int:

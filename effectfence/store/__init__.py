@@ -7,12 +7,23 @@ it is asked for, so ``import effectfence`` never pays for psycopg or redis.
 from __future__ import annotations
 
 import importlib
+import re
 from typing import Any
 
 from effectfence.store.base import FenceStore, Head, Outcome, Step
 from effectfence.store.memory import MemoryStore
 
-__all__ = ["SCHEMES", "FenceStore", "Head", "MemoryStore", "Outcome", "Step", "open_store"]
+__all__ = [
+    "SCHEMES",
+    "FenceStore",
+    "Head",
+    "MemoryStore",
+    "Outcome",
+    "Step",
+    "StoreURLError",
+    "open_store",
+    "redact",
+]
 
 #: URL scheme -> (module, class). Each durable store lives in its own module.
 SCHEMES: dict[str, tuple[str, str]] = {
@@ -33,12 +44,11 @@ def open_store(url: str, **options: Any) -> FenceStore:
     """The store a URL names: ``memory:``, ``sqlite:///path/fence.db``,
     ``postgresql://user@host/db``, ``redis://host:6379/0``. Options go to its constructor."""
     if type(url) is not str or ":" not in url:
-        raise StoreURLError(f"a store URL looks like sqlite:///path/fence.db, got {url!r}")
+        # never echo it: a libpq keyword DSN ("host=db password=...") lands here
+        raise StoreURLError("a store URL looks like sqlite:///path/fence.db or memory:")
     scheme = url.split(":", 1)[0].lower()
     if scheme not in SCHEMES:
-        raise StoreURLError(
-            f"unknown store scheme {scheme!r} in {_redact(url)}; known: {', '.join(SCHEMES)}"
-        )
+        raise StoreURLError(f"unknown store scheme {redact(url)!r}; known: {', '.join(SCHEMES)}")
     module, name = SCHEMES[scheme]
     if scheme == "memory":
         return MemoryStore(**options)
@@ -53,11 +63,20 @@ def open_store(url: str, **options: Any) -> FenceStore:
     return store
 
 
-def _redact(url: str) -> str:
-    """A URL fit for a message: the password, if any, masked."""
-    if "@" not in url or "://" not in url:
-        return url
-    scheme, rest = url.split("://", 1)
-    cred, host = rest.rsplit("@", 1)
-    user = cred.split(":", 1)[0]
-    return f"{scheme}://{user}:***@{host}" if ":" in cred else url
+def redact(url: str) -> str:
+    """A store URL fit for messages and logs: only a leading scheme-like word and, for a
+    ``scheme://`` URL, its host and path with any password masked. Never the raw string:
+    a DSN may carry a password as a URL or as ``key=value`` words."""
+    match = re.match(r"[A-Za-z][A-Za-z0-9+.-]{0,31}", url)
+    word = match.group(0) if match else ""
+    rest = url[len(word) :]
+    if not word or not (rest == "" or rest.startswith(":")):
+        return "<unrecognised store>"
+    if not rest.startswith("://"):
+        return word
+    netloc, _, path = rest[3:].partition("/")
+    user, at, host = netloc.rpartition("@")
+    if at:
+        name = user.split(":", 1)[0]
+        netloc = f"{name}:***@{host}" if ":" in user else f"{name}@{host}"
+    return f"{word}://{netloc}/{path}" if path else f"{word}://{netloc}"
