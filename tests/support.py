@@ -40,11 +40,17 @@ def _memory(backend: str) -> Callable[[FakeClock], FenceStore]:
     return make
 
 
+#: name -> factory: a fresh, empty, isolated store on the test's clock. A store joins every
+#: guarantee suite (test_store_contract, test_fence, test_chaos, test_stateful) by adding one.
 STORES: dict[str, Callable[[FakeClock], FenceStore]] = {
     "memory-pure": _memory("pure"),
 }
 if AtomicCounterTable is not None:
     STORES["memory-atomic"] = _memory("atomic")
+
+#: name -> reopen(store, clock): another handle onto the same data as ``store``, opened as a
+#: second process would. Only stores shared between processes have one.
+REOPEN: dict[str, Callable[[FenceStore, FakeClock], FenceStore]] = {}
 
 
 FenceFactory = Callable[..., EffectFence]
