@@ -293,6 +293,10 @@ class FenceStore(ABC):
         round trip answer False and are swept on the fence's ``sweep_interval`` alone."""
         return False
 
+    def describe(self) -> dict[str, Any]:
+        """What ``effectfence info --store`` prints: the store, and its durability."""
+        return {"store": self.name, "counters": self.counters_backend}
+
     # -- waiting and lifetime ------------------------------------------------------------
     def wait_for_change(self, intent: str, seen: IntentRecord | None, timeout: float) -> bool:
         """Block up to ``timeout`` s until the intent's record is no longer ``seen``, for

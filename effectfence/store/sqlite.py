@@ -258,7 +258,8 @@ class SQLiteStore(FenceStore):
         return {
             "store": self.name,
             "path": self.path,
-            "url": f"sqlite:///{self.path.lstrip('/')}",
+            "url": f"sqlite:///{self.path.lstrip('/')}"
+            + ("?synchronous=normal" if self.synchronous == "NORMAL" else ""),
             "journal_mode": self.journal_mode,
             "synchronous": self.synchronous.lower(),
             "schema_version": SCHEMA_VERSION,
