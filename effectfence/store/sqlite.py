@@ -142,7 +142,8 @@ CREATE TABLE IF NOT EXISTS certs (
     keep_until REAL NOT NULL,
     PRIMARY KEY (domain, seq)
 );
-CREATE INDEX IF NOT EXISTS certs_keep ON certs (keep_until);
+-- partial: certificates kept forever (the default) cost no index write
+CREATE INDEX IF NOT EXISTS certs_keep ON certs (keep_until) WHERE keep_until < 1e300;
 """
 
 
@@ -917,7 +918,7 @@ class SQLiteStore(FenceStore):
         )
         conn.execute(
             "DELETE FROM certs WHERE rowid IN (SELECT rowid FROM certs "
-            "WHERE keep_until <= ?1 ORDER BY keep_until LIMIT ?2)",
+            "WHERE keep_until <= ?1 AND keep_until < 1e300 ORDER BY keep_until LIMIT ?2)",
             (now, batch),
         )
         return cur.rowcount
