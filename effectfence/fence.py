@@ -34,6 +34,7 @@ from effectfence.errors import (
     LeaseLost,
     ReadSetStale,
     Refusal,
+    StoreUnavailable,
 )
 from effectfence.model import (
     Admission,
@@ -210,7 +211,7 @@ class EffectFence:
         self._slot_commits = self._slot["commits"]
         self._slot_replayed = self._slot["replayed"]
         self._now = store.now
-        self._get = store.get
+        self._read = store.read
         self._due = store.due
         # the memory store keeps the payload itself: skip a call that returns its argument
         self._fp_is_payload = type(store).fingerprint_of is MemoryStore.fingerprint_of
@@ -316,12 +317,24 @@ class EffectFence:
         except InvalidRequest:
             self._count("invalid_request")
             raise
+        fp = payload if self._fp_is_payload else self.store.fingerprint_of(payload)
+        # A store that cannot answer refuses the attempt ``store_unavailable``: counted in
+        # that bucket like any refusal, and raised before anything was decided.
+        try:
+            return self._decide(request, fp, args_json)
+        except StoreUnavailable:
+            self._count("store_unavailable")
+            raise
+
+    def _decide(self, request: EffectRequest, fp: bytes, args_json: bytes) -> Admission:
+        """prepare, from the payload on: observe, ask the protocol, carry out one step."""
+        intent = request.intent
         store = self.store
-        fp = payload if self._fp_is_payload else store.fingerprint_of(payload)
-        now = self._now()
+        rec, now = self._read(intent)  # one round trip: a replay is this one read
         if self._auto:
             if now >= self._sweep_due:
                 self._auto_sweep(now)
+                rec, now = self._read(intent)
             elif self._due(now):  # keep pace with admission: a few due records per call
                 self.sweep(REAP_BATCH)
         compare, reserve_at, contradiction = plan_claim(
@@ -329,8 +342,7 @@ class EffectFence:
         )
         for attempt in range(_MAX_MOVES):
             if attempt:
-                now = self._now()
-            rec = self._get(intent)
+                rec, now = self._read(intent)
             row, action = decide_prepare(rec, now, fp)
             if action is _REPLAY:
                 self._inc(self._slot_replayed)
@@ -449,7 +461,11 @@ class EffectFence:
         if type(ticket) is not PreparedEffect:
             raise InvalidTicket(f"{op} takes a PreparedEffect ticket, got {type(ticket).__name__}")
         store = self.store
-        rec, now = store.read(ticket.intent)
+        try:
+            rec, now = store.read(ticket.intent)
+        except StoreUnavailable:
+            self._count("refused_ticket_ops")
+            raise
         verdict, refusal = judge_ticket(op, rec, now, ticket.intent, ticket.token)
         if verdict is not _ALLOW and verdict is not _COMMITTED:
             self._count("refused_ticket_ops")
@@ -476,6 +492,15 @@ class EffectFence:
                 token=ticket.token,
             )
         return args_json, verdict, rec, refusal
+
+    def _ticket_step(self, fn: Callable[..., Step], *args: Any, **kw: Any) -> Step:
+        """A ticket operation's store step; a store that cannot answer refuses it
+        ``store_unavailable``, counted with the other refused ticket operations."""
+        try:
+            return fn(*args, **kw)
+        except StoreUnavailable:
+            self._count("refused_ticket_ops")
+            raise
 
     def _lost(self, op: str, ticket: PreparedEffect, found: IntentRecord | None) -> Refusal:
         self._count("refused_ticket_ops")
@@ -533,7 +558,8 @@ class EffectFence:
             ticket.agent,
             digest,
         )
-        step = self.store.complete(
+        step = self._ticket_step(
+            self.store.complete,
             intent,
             ticket.token,
             cert,
@@ -581,8 +607,8 @@ class EffectFence:
         if type(reason) is not str or not reason or len(reason) > 4096:
             raise InvalidRequest("abort reason must be a non-empty string of at most 4096 chars")
         self._check_ticket("abort", ticket)
-        step = self.store.fail(
-            ticket.intent, ticket.token, reason, reclaim_after=self._failed_reclaim
+        step = self._ticket_step(
+            self.store.fail, ticket.intent, ticket.token, reason, reclaim_after=self._failed_reclaim
         )
         if step.outcome is not APPLIED:
             raise self._lost("abort", ticket, step.found)
@@ -592,7 +618,7 @@ class EffectFence:
     def release(self, ticket: PreparedEffect) -> None:
         """The effect definitely did not fire: free the intent for a retry."""
         self._check_ticket("release", ticket)
-        step = self.store.release(ticket.intent, ticket.token)
+        step = self._ticket_step(self.store.release, ticket.intent, ticket.token)
         if step.outcome is not APPLIED:
             raise self._lost("release", ticket, step.found)
         self._count("releases")
@@ -604,7 +630,8 @@ class EffectFence:
         if not (isinstance(lease, int | float) and 0 < lease <= MAX_TTL):
             raise InvalidRequest(f"ttl must be > 0 and <= {MAX_TTL:g} s, got {ttl!r}")
         self._check_ticket("renew", ticket)
-        step = self.store.renew(
+        step = self._ticket_step(
+            self.store.renew,
             ticket.intent,
             ticket.token,
             lease_ttl=float(lease),

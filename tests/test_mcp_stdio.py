@@ -181,7 +181,7 @@ async def test_stdio_tickets_are_bound_to_their_store_even_with_a_shared_key() -
 
 def test_stdio_serve_refuses_unknown_stores() -> None:
     proc = subprocess.run(
-        [*SERVE, "--store", "redis://user:secret@host/0"],
+        [*SERVE, "--store", "mongodb://user:secret@host/0"],
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
@@ -189,7 +189,7 @@ def test_stdio_serve_refuses_unknown_stores() -> None:
         stdin=subprocess.DEVNULL,
     )
     assert proc.returncode == 2
-    assert "only the in-memory store" in proc.stderr and "secret" not in proc.stderr
+    assert "unknown store scheme" in proc.stderr and "secret" not in proc.stderr
     assert proc.stdout == ""
 
 

@@ -178,6 +178,9 @@ class MemoryStore(FenceStore):
     def get(self, intent: str) -> IntentRecord | None:
         return self._records.get(intent)
 
+    def read(self, intent: str) -> tuple[IntentRecord | None, float]:
+        return self._records.get(intent), self._clock()
+
     def current(self, domain: str) -> int:
         while True:
             e = self._epoch
