@@ -35,15 +35,19 @@ STRONG_VERBS = _words(
     "commit push approve reserve subscribe unsubscribe invite revoke rotate issue mint "
     "capture credit debit increment append put patch apply execute restart reboot "
     "rollback migrate archive ban kick transfer tweet reply comment fork edit react star "
-    "pin schedule invoke"
+    "pin schedule invoke purge wipe erase page"
 )
 # Words that are nouns as often as verbs (``get_user_email``, ``add_issue_comment``): they
 # count as the tool's verb only when some word follows them (``email_user``,
 # ``slack_post_message``), never as the last word of a name.
-AMBIGUOUS = _words("email post order issue comment sms tweet bill book credit debit reply")
+AMBIGUOUS = _words(
+    "email post order issue comment sms tweet bill book credit debit reply page record"
+)
 # Verbs whose usual write sets given values (PATCH/PUT semantics): sending it twice
 # leaves the same state, so such a tool ranks below the line unless it also creates.
-SET_VERBS = _words("update set put patch replace overwrite configure enable disable upsert")
+SET_VERBS = _words(
+    "update set put patch replace overwrite configure enable disable upsert write save"
+)
 WEAK_VERBS = _words(
     "add set save store run start stop mark assign register make generate move copy "
     "rename close open enable disable grant reset sync import scale"
@@ -63,7 +67,7 @@ COMPOUND_CALL_VERBS = STRONG_VERBS - _words("order execute issue email")
 _NOT_EFFECT_OBJECTS = _words(
     "read reader readable hash hmac cipher decipher interface client server logger context "
     "signal element buffer parser schema transport iterator proxy instance error url regex "
-    "pool controller agent require validator matcher formatter diff"
+    "pool controller agent require validator matcher formatter diff patch"
 )
 _BENIGN_RECEIVERS = re.compile(
     r"(?i)^_?(seen|processed|done|completed|handled|dedup\w*|cache\w*|headers?|params|kwargs|"
@@ -486,17 +490,23 @@ def _sentence_verb(text: str) -> str | None:
     return None
 
 
+_SETS = re.compile(
+    r"HTTP (?:method )?(?:PUT|PATCH)\b(?!.*\b(?:POST|DELETE)\b)|"
+    r"changes the filesystem: \.(?:writeFile|writeFileSync|rename|renameSync|replace|"
+    r"write_text|write_bytes|mkdir|mkdirSync|makedirs)\(|writes a file: .*[\"']w[b+]?[\"']"
+)
+
+
 def _only_sets(evidence: list[Evidence]) -> bool:
-    """Every write seen sets given values (PUT/PATCH, a file overwrite), none creates."""
-    writes = [e for e in evidence if e.kind in ("http_write", "sql_write")]
-    if not writes:
-        return False
-    return all(
-        e.kind == "http_write"
-        and re.search(r"\b(PUT|PATCH)\b", e.detail)
-        and not re.search(r"\b(POST|DELETE)\b", e.detail)
-        for e in writes
-    )
+    """Every write seen sets given values (PUT/PATCH, a whole-file overwrite) and none
+    creates, appends or deletes; calls named by a verb alone are not writes here."""
+    writes = [
+        e
+        for e in evidence
+        if e.kind in ("http_write", "sql_write")
+        or (e.kind == "effect_call" and not e.detail.startswith("calls "))
+    ]
+    return bool(writes) and all(_SETS.search(e.detail) for e in writes)
 
 
 def analyze(src: Source, decl: ToolDecl, package: Package | None = None) -> Finding:
@@ -566,7 +576,8 @@ def analyze(src: Source, decl: ToolDecl, package: Package | None = None) -> Find
     if name_verb in SET_VERBS and _only_sets(evidence.items) and score >= COULD_FIRE_TWICE:
         evidence.add(
             "sets_values",
-            f"'{name_verb}' with PUT/PATCH writes only: a duplicate sets the same values "
+            f"'{name_verb}' with PUT/PATCH or overwrite writes only: a duplicate sets the "
+            "same values "
             f"again; ranked below {COULD_FIRE_TWICE}",
             src.line_start(decl.line),
         )

@@ -97,5 +97,5 @@ class Package:
             if other is None:
                 continue
             for span in other.functions.get(fname, []):
-                out.append(Segment(span.start, span.end, f"{fname}() in {other.rel}", other))
+                out.append(Segment(span.start, span.end, f"{fname}()", other))
         return out

@@ -71,7 +71,7 @@ def _functions(src: Source) -> None:
                 src.functions.setdefault(name, []).append(span)
 
 
-_STR = r"""(["'`])([^"'`\n]+)\1"""
+_STR = r"""(?P<q>["'`])(?P<v>[^"'`\n]+)(?P=q)"""
 _CONST = re.compile(
     r"\b(?:export\s+)?(?:const|let|var)\s+(" + _ID + r")\s*(?::[^=\n]+)?=\s*" + _STR
 )
@@ -92,9 +92,9 @@ def _constants(src: Source) -> None:
     code, skel = src.code, src.skeleton
     for m in _CONST.finditer(code):
         if skel[m.start(1)] != " ":  # not inside a string
-            src.constants.setdefault(m.group(1), m.group(3))
+            src.constants.setdefault(m.group(1), m.group("v"))
     for m in _ENUM_JS.finditer(code):
-        src.constants.setdefault(f"{m.group(1)}.{m.group(2)}", m.group(4))
+        src.constants.setdefault(f"{m.group(1)}.{m.group(2)}", m.group("v"))
     for regex in (_ENUM_TS, _OBJ_CONST):
         for m in regex.finditer(skel):
             open_at = m.end() - 1
@@ -102,7 +102,7 @@ def _constants(src: Source) -> None:
             for a, b in split_top_level(skel, open_at + 1, close):
                 mm = _MEMBER.match(code[a:b])
                 if mm:
-                    src.constants.setdefault(f"{m.group(1)}.{mm.group(1)}", mm.group(3))
+                    src.constants.setdefault(f"{m.group(1)}.{mm.group(1)}", mm.group("v"))
 
 
 def _imports(src: Source, root: Path) -> None:
