@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -356,3 +357,26 @@ def test_updates_that_set_values_rank_below_creates() -> None:
     write = _scan("js_published")["write_note"]
     assert write.score < THRESHOLD and any(e.kind == "sets_values" for e in write.evidence)
     assert _scan("js_published")["edit_note"].score >= THRESHOLD
+
+
+def test_corpus_label_file_is_well_formed(tmp_path: Path) -> None:
+    """The benchmark's labels parse and say, for every tool, a label, a line and why."""
+    spec = importlib.util.spec_from_file_location(
+        "scan_corpus", ROOT / "benchmarks" / "scan_corpus.py"
+    )
+    assert spec is not None and spec.loader is not None
+    corpus = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = corpus  # dataclasses look their module up
+    try:
+        spec.loader.exec_module(corpus)
+        servers = corpus.load_corpus()
+        assert len(servers) >= 10
+        assert {s["registry"] for s in servers} == {"pypi", "npm"}
+        assert len({(s["name"], s["version"]) for s in servers}) == len(servers)
+        text = (ROOT / "benchmarks" / "scan_corpus.toml").read_text()
+        broken = tmp_path / "broken.toml"
+        broken.write_text(text.replace('label = "read"', 'label = "reads"', 1))
+        with pytest.raises(corpus.CorpusError, match="label must be one of"):
+            corpus.load_corpus(broken)
+    finally:
+        del sys.modules[spec.name]
