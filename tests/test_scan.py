@@ -380,3 +380,10 @@ def test_corpus_label_file_is_well_formed(tmp_path: Path) -> None:
             corpus.load_corpus(broken)
     finally:
         del sys.modules[spec.name]
+
+
+def test_a_method_on_a_chained_value_is_not_an_effect() -> None:
+    """``createHash(...).update(...)`` in an imported key helper updates a hash, not a record."""
+    charge = _scan("ts_server")["chargeCustomer"]
+    assert not [e for e in charge.evidence if "update()" in e.detail]
+    assert charge.score < THRESHOLD

@@ -395,6 +395,12 @@ def _scan_segment(src: Source, seg: Segment, out: _Collector) -> None:
             continue
         if receiver and _BENIGN_RECEIVERS.match(receiver) and name.lower() in _CONTAINER_OPS:
             continue
+        if (
+            not receiver
+            and name.lower() in _CONTAINER_OPS
+            and skel[: m.start(2)].rstrip()[-1:] == "."
+        ):
+            continue  # ``createHash("sha256").update(x)``: a method on an expression's value
         line_text = _snippet(src, m.start())
         if name.lower() == "send" and re.search(r"(?i)\.get\s*\(", line_text):
             continue  # request builder for a GET, e.g. ``client.get(url).send()``
