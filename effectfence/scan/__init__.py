@@ -13,45 +13,50 @@ from pathlib import Path
 
 from . import golang, python, rust, typescript
 from .evidence import analyze
-from .model import CANNOT_SEE, Evidence, Finding, ScanReport
+from .model import CANNOT_SEE, COULD_FIRE_TWICE, Evidence, Finding, ScanReport, Skipped
+from .package import LANGUAGES, Package
 from .source import Source, ToolDecl
 
-__all__ = ["CANNOT_SEE", "SKIP_DIRS", "Evidence", "Finding", "ScanReport", "scan_path"]
+__all__ = [
+    "CANNOT_SEE",
+    "COULD_FIRE_TWICE",
+    "SKIP_DIRS",
+    "Evidence",
+    "Finding",
+    "ScanReport",
+    "Skipped",
+    "scan_path",
+]
 
-LANGUAGES: dict[str, str] = {
-    ".py": "python",
-    ".ts": "typescript",
-    ".tsx": "typescript",
-    ".mts": "typescript",
-    ".cts": "typescript",
-    ".js": "typescript",
-    ".jsx": "typescript",
-    ".mjs": "typescript",
-    ".cjs": "typescript",
-    ".go": "go",
-    ".rs": "rust",
-}
-_FINDERS: dict[str, Callable[[Source], list[ToolDecl]]] = {
+_FINDERS: dict[str, Callable[[Source, Package], list[ToolDecl]]] = {
     "python": python.find_tools,
     "typescript": typescript.find_tools,
     "go": golang.find_tools,
     "rust": rust.find_tools,
 }
-# Dependencies, build output, caches and tests: their tools are not the server's own.
-SKIP_DIRS = frozenset(
-    {
-        ".git", ".hg", ".svn", "node_modules", "bower_components", "venv", ".venv", ".tox",
-        ".nox", "site-packages", "__pycache__", ".mypy_cache",
-        ".pytest_cache", ".ruff_cache", "build", "dist", "out", ".next", ".nuxt",
-        "coverage", "vendor", "target", "third_party", "tests", "test", "__tests__",
-        "testdata", "fixtures",
-    }
-)  # fmt: skip
+# Dependencies, caches and tests: their tools are not the server's own.
+SKIP_DIRS: dict[str, str] = {
+    **dict.fromkeys(
+        ("node_modules", "bower_components", "site-packages", "vendor", "third_party"),
+        "dependencies",
+    ),
+    **dict.fromkeys(("venv", ".venv", ".tox", ".nox"), "virtualenv"),
+    **dict.fromkeys(
+        ("__pycache__", ".mypy_cache", ".pytest_cache", ".ruff_cache", "coverage", ".next",
+         ".nuxt", "target"),
+        "cache or compiler output",
+    ),
+    **dict.fromkeys(("tests", "test", "__tests__", "testdata", "fixtures"), "tests"),
+}  # fmt: skip
+# Build output is what a published package *is* (an npm tarball holds only ``dist/``),
+# so it is skipped only when the source it was built from sits beside it.
+BUILD_DIRS = frozenset({"dist", "build", "out"})
+_SOURCE_MARKERS = ("src", "tsconfig.json", "setup.py", "setup.cfg", "pyproject.toml")
 _TEST_SUFFIXES = (
     "_test.go", "_test.py", ".test.ts", ".test.js", ".spec.ts", ".spec.js", ".d.ts",
-    ".min.js", ".test.tsx", ".spec.tsx",
+    ".min.js", ".test.tsx", ".spec.tsx", ".test.mjs", ".spec.mjs", ".d.mts", ".d.cts",
+    ".map",
 )  # fmt: skip
-MAX_FILE_BYTES = 2_000_000
 _HINTS = ("tool", "Tool")
 
 
@@ -59,25 +64,63 @@ def _skipped_file(name: str) -> bool:
     return name.startswith("test_") or name.endswith(_TEST_SUFFIXES)
 
 
-def iter_files(root: Path) -> Iterator[Path]:
-    """Source files under ``root``; skip rules apply to components *below* the root only,
-    so a repository that itself lives under ``.../build/`` is still scanned."""
+def _source_beside(folder: Path) -> str | None:
+    """What in ``folder`` shows that a build-output subfolder was built from it."""
+    for marker in _SOURCE_MARKERS:
+        if (folder / marker).exists():
+            return marker
+    try:
+        for entry in sorted(folder.iterdir()):
+            name = entry.name
+            if (
+                entry.suffix in LANGUAGES
+                and not _skipped_file(name)
+                and ".config." not in name  # jest.config.js and friends are not the source
+                and not name.startswith(".")
+            ):
+                return name
+    except OSError:
+        return None
+    return None
+
+
+def walk(root: Path) -> tuple[list[Path], list[Skipped]]:
+    """Source files under ``root`` and the folders left out, each with its reason.
+
+    Skip rules apply to components *below* the root only, so a repository that itself
+    lives under ``.../build/`` is still scanned."""
     if root.is_file():
-        if root.suffix in LANGUAGES:
-            yield root
-        return
+        return ([root] if root.suffix in LANGUAGES else []), []
+    files: list[Path] = []
+    skipped: list[Skipped] = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(
-            d
-            for d in dirnames
-            if d not in SKIP_DIRS
-            and not d.startswith(".")
-            and not (Path(dirpath) / d / "pyvenv.cfg").exists()  # a virtualenv by any name
-        )
+        here = Path(dirpath)
+        keep: list[str] = []
+        for d in sorted(dirnames):
+            rel = (here / d).relative_to(root).as_posix() + "/"
+            if d.startswith("."):
+                continue  # .git, editor and tool state: never worth a line in the report
+            if d in SKIP_DIRS:
+                skipped.append(Skipped(rel, SKIP_DIRS[d]))
+            elif (here / d / "pyvenv.cfg").exists():
+                skipped.append(Skipped(rel, "virtualenv"))
+            elif d in BUILD_DIRS and (marker := _source_beside(here)):
+                skipped.append(Skipped(rel, f"build output; its source ({marker}) is beside it"))
+            else:
+                if d in BUILD_DIRS:
+                    skipped.append(Skipped(rel, "scanned: build output with no source beside it"))
+                keep.append(d)
+        dirnames[:] = keep
         for name in sorted(filenames):
-            path = Path(dirpath) / name
+            path = here / name
             if path.suffix in LANGUAGES and not _skipped_file(name):
-                yield path
+                files.append(path)
+    return files, skipped
+
+
+def iter_files(root: Path) -> Iterator[Path]:
+    """Source files under ``root``; see :func:`walk`."""
+    yield from walk(root)[0]
 
 
 def scan_path(path: str | Path, *, min_score: int = 1) -> ScanReport:
@@ -85,27 +128,29 @@ def scan_path(path: str | Path, *, min_score: int = 1) -> ScanReport:
     root = Path(path)
     if not root.exists():
         raise FileNotFoundError(f"no such file or directory: {root}")
+    package = Package(root)
     findings: list[Finding] = []
-    files = 0
     seen = 0
-    for file in iter_files(root):
-        try:
-            if file.stat().st_size > MAX_FILE_BYTES:
-                continue
-            text = file.read_text(encoding="utf-8", errors="replace")
-        except OSError:
+    paths, skipped = walk(root)
+    files = 0
+    for file in paths:
+        src = package.load(file)
+        if src is None:
             continue
         files += 1
-        if not any(h in text for h in _HINTS):
+        if not any(h in src.text for h in _HINTS):
             continue
-        rel = file.name if root.is_file() else file.relative_to(root).as_posix()
-        src = Source(path=file, rel=rel, language=LANGUAGES[file.suffix], text=text)
-        for decl in _FINDERS[src.language](src):
+        for decl in _FINDERS[src.language](src, package):
             seen += 1
-            finding = analyze(src, decl)
+            finding = analyze(src, decl, package)
             if finding.score >= min_score:
                 findings.append(finding)
     findings.sort(key=lambda f: (-f.score, f.file, f.line))
     return ScanReport(
-        root=str(root), min_score=min_score, files_scanned=files, findings=findings, tools_seen=seen
+        root=str(root),
+        min_score=min_score,
+        files_scanned=files,
+        findings=findings,
+        tools_seen=seen,
+        skipped=skipped,
     )

@@ -65,8 +65,14 @@ def _handler_for(src: Source, start: int, end: int) -> list[Segment]:
     return []
 
 
-def find_tools(src: Source) -> list[ToolDecl]:
-    _functions(src)
+def index(src: Source) -> None:
+    """Fill ``src.functions`` (imports are not followed in this language)."""
+    if not src.functions:
+        _functions(src)
+
+
+def find_tools(src: Source, package: object = None) -> list[ToolDecl]:
+    index(src)
     skel = src.skeleton
     tools: list[ToolDecl] = []
     for m in _NEW_TOOL.finditer(skel):

@@ -54,8 +54,14 @@ def _functions(src: Source) -> None:
             src.functions.setdefault(m.group(1), []).append(Segment(m.start(), body.end))
 
 
-def find_tools(src: Source) -> list[ToolDecl]:
-    _functions(src)
+def index(src: Source) -> None:
+    """Fill ``src.functions`` (imports are not followed in this language)."""
+    if not src.functions:
+        _functions(src)
+
+
+def find_tools(src: Source, package: object = None) -> list[ToolDecl]:
+    index(src)
     skel, code = src.skeleton, src.code
     tools: list[ToolDecl] = []
     for m in _TOOL_ATTR.finditer(skel):

@@ -19,11 +19,25 @@ _REGEX_KEYWORDS = ("return", "typeof", "case", "in", "of", "delete", "void", "th
 
 @dataclass(frozen=True)
 class Segment:
-    """A half-open offset range of a file that belongs to one tool."""
+    """A half-open offset range of a file that belongs to one tool.
+
+    ``src`` is set only when the range lies in another file than the tool's own (an
+    imported helper); it takes no part in equality, so spans still compare by offsets.
+    """
 
     start: int
     end: int
     label: str = ""
+    src: Source | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Import:
+    """A name bound by an import: the module file it comes from, and the name it has
+    there (None when the whole module is bound, ``import * as files``)."""
+
+    path: Path
+    name: str | None
 
 
 @dataclass
@@ -48,6 +62,12 @@ class Source:
     code: str = ""
     skeleton: str = ""
     functions: dict[str, list[Segment]] = field(default_factory=dict)
+    # ``GitTools.COMMIT`` -> ``git_commit``: string constants a tool name may be spelled with
+    constants: dict[str, str] = field(default_factory=dict)
+    imports: dict[str, Import] = field(default_factory=dict)
+    # Python names defined in a class body: ``repo.commit()`` may call one of these, but
+    # never a same-named nested tool function (the scan cannot know ``repo``'s type)
+    methods: set[str] = field(default_factory=set)
     _newlines: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:

@@ -5,8 +5,12 @@ calls and low-level ``{ name, inputSchema }`` lists dispatched by ``switch``/``i
 from __future__ import annotations
 
 import re
+from pathlib import Path
+from typing import TYPE_CHECKING
 
+from .modules import resolve_js
 from .source import (
+    Import,
     Segment,
     Source,
     ToolDecl,
@@ -21,6 +25,9 @@ from .source import (
     string_at,
     top_level_key,
 )
+
+if TYPE_CHECKING:
+    from .package import Package
 
 _ID = r"[A-Za-z_$][\w$]*"
 _NOT_FUNCS = frozenset(
@@ -64,8 +71,104 @@ def _functions(src: Source) -> None:
                 src.functions.setdefault(name, []).append(span)
 
 
-def find_tools(src: Source) -> list[ToolDecl]:
+_STR = r"""(?P<q>["'`])(?P<v>[^"'`\n]+)(?P=q)"""
+_CONST = re.compile(
+    r"\b(?:export\s+)?(?:const|let|var)\s+(" + _ID + r")\s*(?::[^=\n]+)?=\s*" + _STR
+)
+# compiled TypeScript enum: ToolName["ECHO"] = "echo";
+_ENUM_JS = re.compile(r"\b(" + _ID + r")\[\s*[\"'](" + _ID + r")[\"']\s*\]\s*=\s*" + _STR)
+_ENUM_TS = re.compile(r"\benum\s+(" + _ID + r")\s*\{")
+_OBJ_CONST = re.compile(r"\b(?:const|let|var)\s+(" + _ID + r")\s*(?::[^=\n]+)?=\s*\{")
+_MEMBER = re.compile(r"""\s*["']?(""" + _ID + r""")["']?\s*[:=]\s*""" + _STR + r"\s*$")
+_IMPORT = re.compile(
+    r"""\bimport\s+(?:type\s+)?(?P<what>[^;]*?)\s+from\s+["'](?P<spec>[^"']+)["']"""
+    r"""|\b(?:const|let|var)\s+(?P<lhs>\{[^}]*\}|""" + _ID + r""")\s*=\s*require\s*\(\s*"""
+    r"""["'](?P<rspec>[^"']+)["']\s*\)"""
+)
+
+
+def _constants(src: Source) -> None:
+    """String constants and enum members a tool name may be written with."""
+    code, skel = src.code, src.skeleton
+    for m in _CONST.finditer(code):
+        if skel[m.start(1)] != " ":  # not inside a string
+            src.constants.setdefault(m.group(1), m.group("v"))
+    for m in _ENUM_JS.finditer(code):
+        src.constants.setdefault(f"{m.group(1)}.{m.group(2)}", m.group("v"))
+    for regex in (_ENUM_TS, _OBJ_CONST):
+        for m in regex.finditer(skel):
+            open_at = m.end() - 1
+            close = match_bracket(skel, open_at)
+            for a, b in split_top_level(skel, open_at + 1, close):
+                mm = _MEMBER.match(code[a:b])
+                if mm:
+                    src.constants.setdefault(f"{m.group(1)}.{mm.group(1)}", mm.group("v"))
+
+
+def _imports(src: Source, root: Path) -> None:
+    for m in _IMPORT.finditer(src.code):
+        if src.skeleton[m.start()] == " ":
+            continue
+        spec = m.group("spec") or m.group("rspec")
+        path = resolve_js(src.path, spec, root)
+        if path is None:
+            continue
+        what = (m.group("what") or m.group("lhs") or "").strip()
+        ns = re.search(r"\*\s*as\s+(" + _ID + r")", what)
+        if ns:
+            src.imports[ns.group(1)] = Import(path, None)
+        named = re.search(r"\{([^}]*)\}", what)
+        if named:
+            for part in named.group(1).split(","):
+                bits = re.split(r"\s+as\s+|\s*:\s*", part.strip())
+                if bits and re.fullmatch(_ID, bits[0]):
+                    src.imports[bits[-1].strip()] = Import(path, bits[0])
+        default = re.match(r"(" + _ID + r")\s*(?:,|$)", what)
+        if default and not what.startswith("{"):
+            src.imports[default.group(1)] = Import(path, None)
+
+
+def index(src: Source, root: Path) -> None:
+    """Fill ``src.functions``, ``src.constants`` and ``src.imports``."""
+    if src.functions or src.constants or src.imports:
+        return
     _functions(src)
+    _constants(src)
+    _imports(src, root)
+
+
+def constant(src: Source, expr: str, package: Package | None) -> str | None:
+    """The string an identifier or ``Enum.MEMBER`` stands for, here or in an import."""
+    expr = re.sub(r"\s+", "", expr)
+    if expr in src.constants:
+        return src.constants[expr]
+    head, _, rest = expr.partition(".")
+    imp = src.imports.get(head)
+    if imp is None or package is None:
+        return None
+    other = package.load(imp.path)
+    if other is None:
+        return None
+    key = ".".join(p for p in (imp.name, rest) if p)
+    return other.constants.get(key)
+
+
+def _name_at(src: Source, a: int, b: int, package: Package | None) -> str | None:
+    """A tool name written as a literal, or as a constant that resolves to one."""
+    literal = string_at(src, a, b)
+    if literal:
+        return literal
+    text = src.skeleton[a:b].strip()
+    if not re.fullmatch(_ID + r"(?:\s*\.\s*" + _ID + r")*", text):
+        return None
+    found = constant(src, text, package)
+    if found is None and re.match(r"[A-Z]", text):
+        return f"<{text}>"  # a constant the scan could not read: say so, never guess
+    return found
+
+
+def find_tools(src: Source, package: Package | None = None) -> list[ToolDecl]:
+    index(src, package.root if package is not None else src.path.parent)
     skel = src.skeleton
     tools: list[ToolDecl] = []
     spans: list[tuple[int, int]] = []
@@ -78,11 +181,11 @@ def find_tools(src: Source) -> list[ToolDecl]:
             continue
         a0, b0 = args[0]
         name_at = a0
-        name = string_at(src, a0, b0)
+        name = _name_at(src, a0, b0, package) if skel[a0] != "{" else None
         if name is None and skel[a0] == "{":
             key = top_level_key(src, a0, b0 - 1, "name")
             if key:
-                name = string_at(src, key[0], key[1])
+                name = _name_at(src, key[0], key[1], package)
                 name_at = key[0]
         if not name:
             continue
@@ -100,7 +203,7 @@ def find_tools(src: Source) -> list[ToolDecl]:
             continue
         close = match_bracket(skel, open_at)
         key = top_level_key(src, open_at, close, "name")
-        name = string_at(src, key[0], key[1]) if key else None
+        name = _name_at(src, key[0], key[1], package) if key else None
         if not key or not name:
             continue
         decl = Segment(open_at, close + 1)
@@ -108,7 +211,13 @@ def find_tools(src: Source) -> list[ToolDecl]:
         desc_key = top_level_key(src, open_at, close, "description")
         desc = string_at(src, desc_key[0], desc_key[1]) if desc_key else None
         tools.append(
-            ToolDecl(name, src.line_of(key[0]), [decl], _dispatch(src, name, spans), desc or "")
+            ToolDecl(
+                name,
+                src.line_of(key[0]),
+                [decl],
+                _dispatch(src, name, spans, src.code[key[0] : key[1]].strip()),
+                desc or "",
+            )
         )
     return tools
 
@@ -119,10 +228,15 @@ def _description(src: Source, args: list[tuple[int, int]]) -> str:
     return ""
 
 
-def _dispatch(src: Source, name: str, decls: list[tuple[int, int]]) -> list[Segment]:
-    """The code a low-level ``CallToolRequestSchema`` handler runs for ``name``."""
+def _dispatch(
+    src: Source, name: str, decls: list[tuple[int, int]], spelled: str = ""
+) -> list[Segment]:
+    """The code a low-level ``CallToolRequestSchema`` handler runs for ``name``; the
+    ``case`` may spell it as a literal or as the constant the declaration used."""
     code, skel = src.code, src.skeleton
     q = r"""["'`]""" + re.escape(name) + r"""["'`]"""
+    if spelled and re.fullmatch(_ID + r"(?:\s*\.\s*" + _ID + r")*", spelled):
+        q = "(?:" + q + r"|(?<![\w$.])" + re.escape(spelled) + r"(?![\w$]))"
     segs: list[Segment] = []
     for m in re.finditer(r"\bcase\s+" + q + r"\s*:", code):
         start = m.end()

@@ -1,0 +1,101 @@
+"""The scanned tree as one package: each file parsed once, imports followed inside it.
+
+Following an import is how the scan sees that ``edit_file`` writes in ``lib.js``.
+Files are loaded lazily and cached, so a helper module imported by twenty tools is
+read once; only files under the scanned root are ever loaded.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import golang, python, rust, typescript
+from .source import Segment, Source
+
+LANGUAGES: dict[str, str] = {
+    ".py": "python",
+    ".ts": "typescript",
+    ".tsx": "typescript",
+    ".mts": "typescript",
+    ".cts": "typescript",
+    ".js": "typescript",
+    ".jsx": "typescript",
+    ".mjs": "typescript",
+    ".cjs": "typescript",
+    ".go": "go",
+    ".rs": "rust",
+}
+MAX_FILE_BYTES = 2_000_000
+
+
+@dataclass
+class Package:
+    """Every file of one scan, parsed on demand."""
+
+    root: Path
+    _sources: dict[Path, Source | None] = field(default_factory=dict)
+
+    def load(self, path: Path) -> Source | None:
+        """The file's :class:`Source` with its functions, constants and imports indexed."""
+        key = path.resolve()
+        if key in self._sources:
+            return self._sources[key]
+        self._sources[key] = None  # an import cycle finds the file "loading" and stops
+        language = LANGUAGES.get(path.suffix)
+        if language is None:
+            return None
+        try:
+            if path.stat().st_size > MAX_FILE_BYTES:
+                return None
+            text = path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return None
+        if self.root.is_file():
+            rel = path.name
+        else:
+            try:
+                rel = path.relative_to(self.root).as_posix()
+            except ValueError:
+                rel = path.name
+        src = Source(path=path, rel=rel, language=language, text=text)
+        if language == "python":
+            python.index(src, self.root)
+        elif language == "typescript":
+            typescript.index(src, self.root)
+        elif language == "go":
+            golang.index(src)
+        else:
+            rust.index(src)
+        self._sources[key] = src
+        return src
+
+    def imported(self, src: Source, receiver: str, name: str) -> list[Segment]:
+        """Bodies of ``receiver.name(...)`` or ``name(...)`` that live in another file of
+        the package: a namespace import (``files.pushFiles``), a named import
+        (``writeFileContent``), or, for Python method calls on objects whose type the
+        scan cannot know (``self.connector.store``), a function of that name in a module
+        this file imports."""
+        targets: list[tuple[Path, str]] = []
+        if receiver:
+            imp = src.imports.get(receiver)
+            if imp is not None:  # ``files.pushFiles`` or a class: ``Connector.store``
+                targets.append((imp.path, name))
+            elif src.language == "python" and not re.fullmatch(r"[A-Z]\w*", receiver):
+                paths = dict.fromkeys(i.path for i in src.imports.values())
+                targets.extend((path, name) for path in paths)
+        else:
+            named = src.imports.get(name)
+            if named is not None and named.name is not None:
+                targets.append((named.path, named.name))
+        out: list[Segment] = []
+        for path, fname in targets:
+            if path.resolve() == src.path.resolve():
+                continue
+            other = self.load(path)
+            if other is None:
+                continue
+            for span in other.functions.get(fname, []):
+                out.append(Segment(span.start, span.end, f"{fname}()", other))
+        return out
