@@ -1,8 +1,9 @@
 """Tickets that cross a process boundary, authenticated with HMAC-SHA256 (G10).
 
 A ticket on the wire is ``base64url(canonical JSON) "." hex(HMAC-SHA256(key, canonical
-JSON))``. The key is per server (random) unless ``EFFECTFENCE_TICKET_KEY`` is set, which
-several servers sharing a durable store need. A forged, edited or truncated ticket fails the
+JSON))``. The key is ``EFFECTFENCE_TICKET_KEY`` if the operator sets one, else the store's
+own sealing key (:meth:`TicketSigner.for_store`), so servers sharing a durable store open
+each other's tickets with no configuration. A forged, edited or truncated ticket fails the
 MAC and is refused ``invalid_ticket`` before the fence looks at it; a genuine ticket whose
 lease was taken over is refused ``lease_lost`` by the fence itself.
 """
@@ -16,6 +17,7 @@ import hmac
 import json
 import os
 import secrets
+from typing import Any
 
 from effectfence.canonical import CanonicalError, canonical_bytes
 from effectfence.errors import InvalidRequest, InvalidTicket
@@ -43,6 +45,15 @@ class TicketSigner:
         # share a key but not a store (each its own memory) can never honour each other's
         # tickets, whose tokens come from unrelated counters.
         self._scope = scope.encode()
+
+    @classmethod
+    def for_store(cls, store: Any) -> TicketSigner:
+        """The signer of every process sharing ``store``: the operator's key
+        (``EFFECTFENCE_TICKET_KEY``) if set, else the key kept in the store itself, so a
+        ticket sealed by one server opens in every other on the same ledger."""
+        env = os.environ.get(TICKET_KEY_ENV)
+        key = env.encode() if env else store.sealing_key()
+        return cls(key, scope=store.ticket_scope)
 
     def __repr__(self) -> str:
         return "TicketSigner(key=<hidden>)"

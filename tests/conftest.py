@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -11,6 +12,10 @@ from hypothesis import settings
 from support import STORES, FakeClock, FenceFactory
 
 from effectfence import EffectFence, FenceConfig
+
+# Nothing a test runs may touch the user's own state directory, where the servers' default
+# store lives: every process the tests start inherits this one, made for the session.
+os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="effectfence-test-state-")
 
 # CI runs are reproducible (a failure there replays the same examples here); local runs
 # explore, and keep what they find in .hypothesis/.

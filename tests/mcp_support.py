@@ -71,6 +71,8 @@ class HttpServer:
 def child_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    # each server its own memory unless a test names a store: never the user's ledger
+    env["EFFECTFENCE_STORE"] = "memory:"
     env.update(extra)
     return env
 

@@ -7,6 +7,7 @@ Spawning costs ~1.5 s (``import mcp``), so each test covers a whole flow.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -34,7 +35,12 @@ def anyio_backend() -> str:
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    # each server its own memory unless a test names a store: the default store is a file
+    # in the user's state directory, which tests must never share by accident
+    env = {
+        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "EFFECTFENCE_STORE": "memory:",
+    }
     env.update(extra)
     return env
 
@@ -177,6 +183,32 @@ async def test_stdio_tickets_are_bound_to_their_store_even_with_a_shared_key() -
             "invalid_ticket"
         )
         ok(await a.call_tool("fence_commit", {"prepared": ticket, "result": 1}))
+
+
+async def test_two_clients_each_spawning_serve_share_the_default_store(tmp_path: Path) -> None:
+    """The way every client config runs it: each agent process spawns its own server over
+    stdio, with no store configured. They meet in the default SQLite ledger of the user's
+    state directory: one fresh, the other told it is in flight; a ticket sealed by one opens
+    in the other (the sealing key lives in the store); a restarted server replays."""
+    state = {"EFFECTFENCE_STORE": "", "XDG_STATE_HOME": str(tmp_path)}
+    async with serve(**state) as a, serve(**state) as b:
+        first, second = await asyncio.gather(
+            a.call_tool("fence_prepare", req("charge:777", "agent-a")),
+            b.call_tool("fence_prepare", req("charge:777", "agent-b")),
+        )
+        results = [first, second]
+        fresh = [r for r in results if not r.is_error]
+        assert len(fresh) == 1, [r.structured_content for r in results]
+        loser = next(r for r in results if r.is_error)
+        assert code(loser) == "intent_in_flight"
+        ticket = ok(fresh[0])["prepared"]
+        other = b if fresh[0] is first else a
+        cert = ok(await other.call_tool("fence_commit", {"prepared": ticket, "result": "ch_1"}))
+    assert (tmp_path / "effectfence" / "fence.db").is_file()
+    async with serve(**state) as again:  # a restart forgets nothing
+        replay = ok(await again.call_tool("fence_prepare", req("charge:777", "agent-c")))
+        assert replay["status"] == "replay"
+        assert replay["cert"]["hash"] == cert["cert"]["hash"]
 
 
 def test_stdio_serve_refuses_unknown_stores() -> None:

@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -93,6 +92,7 @@ from effectfence.mcp.models import (
 )
 from effectfence.mcp.telemetry import Decision, Metrics, configure_logging
 from effectfence.model import PreparedEffect
+from effectfence.store import STORE_ENV, default_store_url
 from effectfence.tickets import TICKET_KEY_ENV, TicketSigner
 
 __all__ = [
@@ -107,7 +107,6 @@ __all__ = [
 
 SERVER_NAME = "effectfence"
 ALLOW_CLEAR_ENV = "EFFECTFENCE_ALLOW_CLEAR"
-STORE_ENV = "EFFECTFENCE_STORE"
 _MEMORY_STORES = ("memory", "memory:", "memory://")
 _MAX_REPORTED_ERRORS = 20
 #: where the HTTP gate puts the authenticated principal in the ASGI scope of a request
@@ -648,14 +647,15 @@ def build_server(
     """An MCP server exposing ``fence`` (a fresh in-memory fence by default).
 
     ``fence_clear`` is registered only with ``allow_clear``. Tickets are sealed by
-    ``signer`` (default: key from ``EFFECTFENCE_TICKET_KEY``, else random per server).
+    ``signer`` (default: key from ``EFFECTFENCE_TICKET_KEY``, else the store's sealing key,
+    so every server sharing a durable store opens every other's tickets).
     Calls are counted in ``metrics`` (give one to read it, e.g. for ``/metrics``).
     ``authenticated``: every call must carry a principal (the HTTP gate's), which is the
     certificate's agent; ``agent`` becomes optional and is ignored.
     """
     fence = fence if fence is not None else EffectFence()
     if signer is None:
-        signer = TicketSigner(scope=fence.store.ticket_scope)
+        signer = TicketSigner.for_store(fence.store)
     tools = _FenceTools(
         fence,
         signer,
@@ -790,17 +790,6 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def _store_label(url: str) -> str:
-    """Name a store URL without its credentials (a DSN may carry a password, as a URL or
-    as ``key=value`` words): only a leading scheme-like word is ever shown."""
-    match = re.match(r"[A-Za-z][A-Za-z0-9+.-]{0,31}", url)
-    word = match.group(0) if match else ""
-    rest = url[len(word) :]
-    if not word or not (rest == "" or rest.startswith(":")):
-        return "<unsupported store>"
-    return f"{word}://..." if rest.startswith("://") else word
-
-
 def open_fence(store_url: str, config: FenceConfig) -> EffectFence:
     """The one place ``serve`` builds its fence from a store URL.
 
@@ -824,9 +813,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--store",
-        default=os.environ.get(STORE_ENV, "memory"),
+        default=None,
         metavar="URL",
-        help=f"where intents live (default: memory; env {STORE_ENV}). Only memory exists today.",
+        help="where intents live: sqlite:///path/fence.db, postgresql://..., redis://..., or "
+        f"memory: (no durability). Default: ${STORE_ENV}, else one SQLite file in the user's "
+        "state directory, shared by every server on this host.",
     )
     parser.add_argument(
         "--lease-ttl",
@@ -894,8 +885,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--tokens and --allow-host apply to --http only")
     try:
         config = FenceConfig(lease_ttl=args.lease_ttl, result_ttl=args.result_ttl)
-        fence = open_fence(args.store, config)
-        signer = TicketSigner(scope=fence.store.ticket_scope)
+        fence = open_fence(args.store or default_store_url(), config)
+        signer = TicketSigner.for_store(fence.store)
     except ValueError as exc:
         hint = f" (check {TICKET_KEY_ENV})" if "key" in str(exc) else ""
         parser.error(f"{exc}{hint}")
