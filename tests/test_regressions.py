@@ -18,7 +18,7 @@ from effectfence.errors import InvalidRequest, LeaseLost, ReadSetStale
 from effectfence.model import EffectRequest
 from effectfence.store.memory import MemoryStore
 
-KINDS = sorted(k.removeprefix("memory-") for k in STORES)
+KINDS = sorted(k.removeprefix("memory-") for k in STORES if k.startswith("memory-"))
 
 
 # -- helpers ---------------------------------------------------------------------------------
