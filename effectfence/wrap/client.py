@@ -65,7 +65,7 @@ class StdioClient:
                 continue
             if "method" in msg:
                 if "id" in msg:  # a server-to-client request: we offer no capabilities
-                    result = {} if msg["method"] == "ping" else None
+                    result: dict[str, Any] | None = {} if msg["method"] == "ping" else None
                     reply: dict[str, Any] = {"jsonrpc": "2.0", "id": msg["id"]}
                     if result is None:
                         reply["error"] = {"code": -32601, "message": "not supported"}

@@ -89,17 +89,36 @@ class DemoServer:
     async def call(self, rid: Any, name: Any, args: dict[str, Any]) -> None:
         if name == "get_charges":
             text = json.dumps(self.charges)
-            self.answer(rid, {"content": [{"type": "text", "text": text}], "structuredContent": {"charges": self.charges}})
+            self.answer(
+                rid,
+                {
+                    "content": [{"type": "text", "text": text}],
+                    "structuredContent": {"charges": self.charges},
+                },
+            )
             return
         if name != "charge_card":
-            self.answer(rid, {"content": [{"type": "text", "text": f"unknown tool {name}"}], "isError": True})
+            self.answer(
+                rid,
+                {"content": [{"type": "text", "text": f"unknown tool {name}"}], "isError": True},
+            )
             return
         cents = args.get("cents")
         if type(cents) is not int or cents <= 0:
-            self.answer(rid, {"content": [{"type": "text", "text": "declined: cents must be > 0"}], "isError": True})
+            self.answer(
+                rid,
+                {
+                    "content": [{"type": "text", "text": "declined: cents must be > 0"}],
+                    "isError": True,
+                },
+            )
             return
         await asyncio.sleep(self.delay)  # the payment network takes its time...
-        charge = {"charge_id": "ch_" + secrets.token_hex(6), "order_id": args.get("order_id"), "cents": cents}
+        charge = {
+            "charge_id": "ch_" + secrets.token_hex(6),
+            "order_id": args.get("order_id"),
+            "cents": cents,
+        }
         self.charges.append(charge)  # ...and nothing here stops a second identical call
         if self.ledger:
             with open(self.ledger, "a", encoding="utf-8") as fh:

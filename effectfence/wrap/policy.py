@@ -22,7 +22,6 @@ Unknown keys are refused with the file and key named: a typo must not silently u
 
 from __future__ import annotations
 
-import math
 import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -96,7 +95,9 @@ class Policy:
         namespace = data.get("namespace")
         if namespace is not None and (type(namespace) is not str or not namespace):
             raise PolicyError(f"{where}: namespace must be a non-empty string")
-        defaults = _tool(data.get("defaults", {}), ToolPolicy(), f"{where} [defaults]", _DEFAULT_KEYS)
+        defaults = _tool(
+            data.get("defaults", {}), ToolPolicy(), f"{where} [defaults]", _DEFAULT_KEYS
+        )
         tools_raw = data.get("tools", {})
         if not isinstance(tools_raw, dict):
             raise PolicyError(f"{where}: [tools] must be a table of [tools.NAME] tables")
@@ -115,10 +116,8 @@ def _only(data: Any, allowed: set[str], where: str) -> None:
         raise PolicyError(f"{where}: unknown key(s) {unknown}; known: {sorted(allowed)}")
 
 
-def _seconds(value: Any, key: str, where: str, *, forever: bool = False) -> float:
-    if type(value) not in (int, float) or not (
-        0 < value <= 1e9 or (forever and value == math.inf)
-    ):
+def _seconds(value: Any, key: str, where: str) -> float:
+    if type(value) not in (int, float) or not 0 < value <= 1e9:
         raise PolicyError(f"{where}: {key} must be a number of seconds > 0, got {value!r}")
     return float(value)
 
@@ -128,7 +127,7 @@ def _tool(spec: Any, base: ToolPolicy, where: str, allowed: set[str]) -> ToolPol
     out = base
     if "fence" in spec:
         if spec["fence"] not in _FENCE_VALUES or type(spec["fence"]) not in (bool, str):
-            raise PolicyError(f"{where}: fence must be true, false or \"auto\"")
+            raise PolicyError(f'{where}: fence must be true, false or "auto"')
         out = replace(out, fence=spec["fence"])
     if "intent_args" in spec:
         names = spec["intent_args"]
@@ -139,13 +138,14 @@ def _tool(spec: Any, base: ToolPolicy, where: str, allowed: set[str]) -> ToolPol
         if type(spec["domain"]) is not str or not spec["domain"]:
             raise PolicyError(f"{where}: domain must be a non-empty template string")
         out = replace(out, domain=spec["domain"])
-    for key in ("lease_ttl", "wait"):
-        if key in spec:
-            out = replace(out, **{key: _seconds(spec[key], key, where)})
+    if "lease_ttl" in spec:
+        out = replace(out, lease_ttl=_seconds(spec["lease_ttl"], "lease_ttl", where))
+    if "wait" in spec:
+        out = replace(out, wait=_seconds(spec["wait"], "wait", where))
     if "result_ttl" in spec:
         out = replace(out, result_ttl=_seconds(spec["result_ttl"], "result_ttl", where))
     if "on_error" in spec:
         if spec["on_error"] not in _ON_ERROR:
-            raise PolicyError(f"{where}: on_error must be \"release\" or \"fail\"")
+            raise PolicyError(f'{where}: on_error must be "release" or "fail"')
         out = replace(out, on_error=spec["on_error"])
     return out

@@ -60,7 +60,9 @@ async def probe(
         await client.close()
     good = [a for a in answers if isinstance(a, dict) and a.get("isError") is not True]
     replayed = sum(
-        1 for a in good if isinstance(a.get("_meta"), dict) and a["_meta"].get(META_KEY, {}).get("replayed")
+        1
+        for a in good
+        if isinstance(a.get("_meta"), dict) and a["_meta"].get(META_KEY, {}).get("replayed")
     )
     return ProbeReport(
         calls=calls,

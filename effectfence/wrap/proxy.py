@@ -44,7 +44,6 @@ import asyncio
 import contextlib
 import datetime
 import hashlib
-import math
 import os
 import sys
 import time
@@ -268,9 +267,7 @@ class Proxy:
         fence = self._fences.get(key)
         if fence is None:
             cfg = FenceConfig(
-                lease_ttl=tp.lease_ttl,
-                result_ttl=math.inf if tp.result_ttl == math.inf else tp.result_ttl,
-                max_result_bytes=MAX_RESULT_BYTES,
+                lease_ttl=tp.lease_ttl, result_ttl=tp.result_ttl, max_result_bytes=MAX_RESULT_BYTES
             )
             fence = self._fences[key] = EffectFence(cfg, store=self.store)
         return fence
@@ -319,7 +316,9 @@ class Proxy:
         needs none: every request carries its version)."""
         own = self._own_id()
         fut = self._expect(child, own)
-        child.write(_line({"jsonrpc": "2.0", "id": own, "method": "initialize", "params": self.init_params}))
+        child.write(
+            _line({"jsonrpc": "2.0", "id": own, "method": "initialize", "params": self.init_params})
+        )
         await asyncio.wait_for(fut, 30.0)
         if self.initialized:
             child.write(_line({"jsonrpc": "2.0", "method": "notifications/initialized"}))
@@ -356,10 +355,19 @@ class Proxy:
             self.child = None
         orphans, self.passthrough = self.passthrough, set()
         for cid in orphans:
-            self._client_error(cid, -32603, f"effectfence wrap: the server behind the fence exited (code {code}) before answering; it is restarted for later calls")
+            self._client_error(
+                cid,
+                -32603,
+                f"effectfence wrap: the server behind the fence exited (code {code}) before "
+                "answering; it is restarted for later calls",
+            )
         for own, (cid, _) in list(self._list_ids.items()):
             del self._list_ids[own]
-            self._client_error(cid, -32603, "effectfence wrap: the server behind the fence exited before listing its tools")
+            self._client_error(
+                cid,
+                -32603,
+                "effectfence wrap: the server behind the fence exited before listing its tools",
+            )
         if not self.closing:
             _stderr(f"the server exited with code {code}")
 
@@ -470,7 +478,9 @@ class Proxy:
             if type(reason) is str:
                 note["reason"] = reason
             with contextlib.suppress(ChildGone):
-                child.write(_line({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": note}))
+                child.write(
+                    _line({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": note})
+                )
         if call.task is not None:
             call.task.cancel()
         return True
@@ -498,7 +508,9 @@ class Proxy:
         self.write_client(line)
 
     def _client_error(self, cid: Any, code: int, message: str) -> None:
-        self.write_client(_line({"jsonrpc": "2.0", "id": cid, "error": {"code": code, "message": message}}))
+        self.write_client(
+            _line({"jsonrpc": "2.0", "id": cid, "error": {"code": code, "message": message}})
+        )
 
     # -- tools/list -----------------------------------------------------------------------
     async def _list_for_client(self, cid: Any, msg: dict[str, Any]) -> None:
@@ -590,7 +602,11 @@ class Proxy:
                 "end with an unknown outcome? Pass `tool` and `arguments` as you would call it "
                 "(or an `intent`). Read-only: runs nothing.",
                 "inputSchema": target,
-                "annotations": {"readOnlyHint": True, "idempotentHint": True, "openWorldHint": False},
+                "annotations": {
+                    "readOnlyHint": True,
+                    "idempotentHint": True,
+                    "openWorldHint": False,
+                },
             },
             {
                 "name": self.own_names["stats"],
@@ -598,7 +614,11 @@ class Proxy:
                 "description": "Counts of calls the fence passed through, ran, replayed and "
                 "refused, and the store it records them in. Read-only.",
                 "inputSchema": {"type": "object", "properties": {}},
-                "annotations": {"readOnlyHint": True, "idempotentHint": True, "openWorldHint": False},
+                "annotations": {
+                    "readOnlyHint": True,
+                    "idempotentHint": True,
+                    "openWorldHint": False,
+                },
             },
         ]
         if self.allow_clear:
@@ -610,7 +630,11 @@ class Proxy:
                     "an identical call runs again. Use only after checking downstream whether "
                     "it took effect.",
                     "inputSchema": target,
-                    "annotations": {"destructiveHint": True, "idempotentHint": True, "openWorldHint": False},
+                    "annotations": {
+                        "destructiveHint": True,
+                        "idempotentHint": True,
+                        "openWorldHint": False,
+                    },
                 }
             )
         return defs
@@ -631,7 +655,11 @@ class Proxy:
         try:
             await self.ensure_tools()
         except ChildGone as exc:
-            self._answer(cid, modern, self._text_result(f"effectfence wrap: {exc}. Nothing was run.", error=True))
+            self._answer(
+                cid,
+                modern,
+                self._text_result(f"effectfence wrap: {exc}. Nothing was run.", error=True),
+            )
             return
         for role, own in self.own_names.items():
             if name == own and (role != "clear" or self.allow_clear):
@@ -643,7 +671,7 @@ class Proxy:
             self.stats.tool(name, "passed")
             await self._forward(line, cid, msg)
             return
-        call = self.calls[cid] = _Call(task=asyncio.current_task())  # type: ignore[arg-type]
+        call = self.calls[cid] = _Call(task=asyncio.current_task())
         try:
             await self._fenced(cid, msg, line, name, params, tp, modern, call)
         except asyncio.CancelledError:
@@ -739,7 +767,15 @@ class Proxy:
                 f"operator checks and clears it (intent {request.intent}; "
                 f"`{self.own_names['status']}` shows it). The server is restarted for later calls."
             )
-            self._answer(cid, modern, self._text_result(text, error=True, marker={"fenced": True, "outcome": "unknown", "intent": request.intent}))
+            self._answer(
+                cid,
+                modern,
+                self._text_result(
+                    text,
+                    error=True,
+                    marker={"fenced": True, "outcome": "unknown", "intent": request.intent},
+                ),
+            )
             return
         except InvalidRequest as exc:
             if "response" in got:  # it ran, but its result can't be recorded: fenced
@@ -818,7 +854,7 @@ class Proxy:
                 "(the policy's intent_args) but with different arguments; it was NOT run."
             )
         elif refusal.code == "store_unavailable":
-            text = f"effectfence: the fence's store can't be reached; `{name}` was NOT run. Retry later."
+            text = f"effectfence: the fence's store can't be reached; `{name}` was NOT run."
         else:
             text = f"effectfence: `{name}` was NOT run: {refusal.message}"
         marker = {"fenced": True, "refused": refusal.code, "intent": refusal.intent}
@@ -846,7 +882,9 @@ class Proxy:
             self._answer(cid, modern, self._text_result(f"effectfence: {exc.message}", error=True))
             return
         text = orjson.dumps(data, option=orjson.OPT_INDENT_2).decode()
-        self._answer(cid, modern, {"content": [{"type": "text", "text": text}], "structuredContent": data})
+        self._answer(
+            cid, modern, {"content": [{"type": "text", "text": text}], "structuredContent": data}
+        )
 
     def _target_intent(self, args: dict[str, Any]) -> str:
         intent = args.get("intent")
