@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import datetime
 import hashlib
@@ -77,6 +78,7 @@ LINE_LIMIT = 1 << 26  # 64 MiB: a resource read can be large; one line is one me
 MAX_RESULT_BYTES = 16 << 20
 CHILD_EXIT_GRACE = 5.0  # s the child gets to exit after its stdin closes, then SIGTERM
 RESTART_WINDOW, RESTART_LIMIT = 30.0, 5  # more starts than this in the window: give up
+FENCE_THREADS = 2  # worker threads for fence steps on a durable store
 DRAIN_TIMEOUT = 60.0  # s fenced calls get to finish after the client hangs up
 
 _OWN_TOOLS = ("status", "stats", "clear")
@@ -1073,6 +1075,14 @@ def main(argv: list[str] | None = None) -> int:
     store_url = args.store or _default_store_url()
 
     async def run() -> int:
+        # Fence steps on a durable store run off the loop (asyncio.to_thread). Its writes
+        # serialize on the store's lock anyway: a few warm threads beat a pool of cpu+4
+        # contending for it (measured: ~1.7x calls/s at 8 callers on SQLite).
+        asyncio.get_running_loop().set_default_executor(
+            concurrent.futures.ThreadPoolExecutor(
+                FENCE_THREADS, thread_name_prefix="effectfence-wrap"
+            )
+        )
         reader, write = await _stdio()
         try:
             proxy = Proxy(
