@@ -507,6 +507,8 @@ class Proxy:
                     fut.set_result(msg)
                 return  # an answer nobody waits for any more (a cancelled call)
             self.passthrough.discard(rid)
+        elif isinstance(msg, dict) and msg.get("method") == "notifications/tools/list_changed":
+            self.tools_known = False  # annotations may have changed: learn them again
         self.write_client(line)
 
     def _client_error(self, cid: Any, code: int, message: str) -> None:
