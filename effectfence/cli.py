@@ -18,6 +18,9 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "storm": ("effectfence.storm", "main", "1,000 attempts to charge order #777: one runs"),
     "serve": ("effectfence.mcp.server", "main", "MCP server (stdio, or --http) for the fence"),
     "scan": ("effectfence.scan.cli", "main", "list MCP tools that could fire twice, with evidence"),
+    "wrap": ("effectfence.wrap.proxy", "main", "put any stdio MCP server behind the fence"),
+    "probe": ("effectfence.wrap.probe", "main", "N identical calls: did it fire twice?"),
+    "demo": ("effectfence.wrap.demo", "main", "a double-firing server, raw and wrapped"),
 }
 
 USAGE = "usage: effectfence {" + ",".join(COMMANDS) + "} [options]   (effectfence CMD --help)"

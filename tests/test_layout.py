@@ -23,7 +23,13 @@ CORE = [
     "store/base.py",
     "store/memory.py",
 ]
-ROOMS = ("effectfence.mcp", "effectfence.scan", "effectfence.storm", "effectfence.cli")
+ROOMS = (
+    "effectfence.mcp",
+    "effectfence.scan",
+    "effectfence.storm",
+    "effectfence.cli",
+    "effectfence.wrap",
+)
 IO_MODULES = {"socket", "subprocess", "sqlite3", "http", "urllib", "asyncio.subprocess", "mcp"}
 
 
@@ -51,3 +57,13 @@ def test_importing_the_package_does_not_import_mcp() -> None:
     code = "import sys, effectfence; print('mcp' in sys.modules, 'effectfence.mcp' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_wrap_never_imports_mcp() -> None:
+    """The proxy is a line-level relay: it must start without paying ~1.5 s for ``mcp``."""
+    code = (
+        "import sys, effectfence.wrap.proxy, effectfence.wrap.probe, effectfence.wrap.demo; "
+        "print(sorted(m for m in sys.modules if m == 'mcp' or m.startswith(('mcp.', 'mcp_'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
