@@ -7,6 +7,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 README = (Path(__file__).parent.parent / "README.md").read_text()
 
 
@@ -19,7 +21,8 @@ class FakeBank:
         return SimpleNamespace(id=f"ch_{len(self.charges)}")
 
 
-def test_python_examples_run() -> None:
+def test_python_examples_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # the stores example opens ./fence.db
     blocks = re.findall(r"```python\n(.*?)```", README, re.S)
     assert len(blocks) >= 2
     bank = FakeBank()
