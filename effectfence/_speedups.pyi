@@ -6,11 +6,6 @@ ABI: int
 def canonical(value: object, max_depth: int, /) -> bytes | None: ...
 def string(text: str, /) -> bytes | None: ...
 
-class FastPath:
-    def __init__(self, config: dict[str, Any], /) -> None: ...
-    prepare: Callable[[Any], Any]
-    commit: Callable[[Any, Any], Any]
-
 class RequestInit:
     def __init__(
         self, cls: type, py_init: Callable[..., None], default_agent: str, max_name: int, /

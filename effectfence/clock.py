@@ -16,7 +16,7 @@ from typing import Any
 
 from effectfence.canonical import MAX_SAFE_INTEGER, sha256_hex
 
-__all__ = ["VectorClock"]
+__all__ = ["VectorClock", "merge_counts", "ticket_counts"]
 
 
 class VectorClock(Mapping[str, int]):
@@ -89,11 +89,7 @@ class VectorClock(Mapping[str, int]):
             return self
         if not self._c:
             return other if isinstance(other, VectorClock) else VectorClock._trusted(oc)
-        c = dict(self._c)
-        for agent, n in oc.items():
-            if n > c.get(agent, 0):
-                c[agent] = n
-        return VectorClock._trusted(c)
+        return VectorClock._trusted(merge_counts(self._c, oc))
 
     def le(self, other: Mapping[str, int]) -> bool:
         """True when every event this clock knows, ``other`` knows too."""
@@ -114,3 +110,23 @@ class VectorClock(Mapping[str, int]):
     def digest(self) -> str:
         """SHA-256 of the RFC 8785 form: equal clocks, equal digests, on any host."""
         return sha256_hex(self._c)
+
+
+def merge_counts(a: Mapping[str, int], b: Mapping[str, int]) -> dict[str, int]:
+    """Element-wise maximum of two counter maps, as a new dict: the one merge rule, used by
+    :meth:`VectorClock.merge`, by tickets and by the stores' domain heads."""
+    c = dict(a)
+    for agent, n in b.items():
+        if n > c.get(agent, 0):
+            c[agent] = n
+    return c
+
+
+def ticket_counts(
+    head: Mapping[str, int], known: Mapping[str, int] | None, agent: str
+) -> dict[str, int]:
+    """A ticket's clock: the domain head's clock merged with what the caller knew, ticked at
+    the agent. Effects committed on a domain before a claim are therefore behind it."""
+    c = merge_counts(head, known) if known else dict(head)
+    c[agent] = c.get(agent, 0) + 1
+    return c

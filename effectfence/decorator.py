@@ -1,22 +1,20 @@
 """``@fenced``: run a plain function once per intent; duplicates get the recorded result.
 
-The decorator is a driver like any other: prepare, run, then commit (the result becomes
-the certificate's ``result``), abort (an exception: the outcome is unknown, G9), or release
-(an exception type declared "did not fire": a retry may run it).
+The decorator builds the request from the function's arguments and hands the rest to the
+one driver (:mod:`effectfence.driver`), sync or async: prepare, wait for a holder, run,
+renew, then commit (the result becomes the certificate's ``result``), abort (an exception:
+the outcome is unknown, G9), or release (an exception type declared "did not fire").
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import inspect
-import threading
-import time
 from collections.abc import Callable, Mapping
 from typing import Any, ParamSpec, TypeVar, cast
 
-from effectfence.cert import EffectCert
-from effectfence.errors import IntentInFlight, InvalidRequest, Refusal
+from effectfence.driver import FencedCall, Options, run_async, run_sync
+from effectfence.errors import InvalidRequest
 from effectfence.fence import EffectFence
 from effectfence.model import EffectRequest, PreparedEffect
 
@@ -26,20 +24,6 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 Template = str | Callable[..., str]
-
-
-class FencedCall:
-    """What one fenced call did: its result, the certificate, and whether it ran here."""
-
-    __slots__ = ("cert", "fresh", "result")
-
-    def __init__(self, result: Any, cert: EffectCert, fresh: bool) -> None:
-        self.result = result
-        self.cert = cert
-        self.fresh = fresh
-
-    def __repr__(self) -> str:
-        return f"FencedCall(fresh={self.fresh}, cert={self.cert!r})"
 
 
 def _renderer(template: Template, what: str) -> Callable[[dict[str, Any]], str]:
@@ -103,7 +87,13 @@ def fenced(
     render_intent = _renderer(intent, "intent")
     render_domain = _renderer(domain, "domain")
     render_agent = _renderer(agent, "agent")
-    timeout = float(wait_timeout)
+    options = Options(
+        wait=wait,
+        wait_timeout=float(wait_timeout),
+        renew_every=renew_every,
+        did_not_fire=did_not_fire,
+    )
+    offload = fence.store.shared  # a store doing I/O must not block the event loop
 
     def decorate(fn: Callable[P, R]) -> Callable[P, R]:
         sig = inspect.signature(fn)
@@ -121,52 +111,14 @@ def fenced(
                 render_agent(bound),
             )
 
-        def finish_error(ticket: PreparedEffect, exc: BaseException) -> None:
-            if isinstance(exc, did_not_fire):
-                fence.release(ticket)
-            else:
-                # the reason is shown to every later caller of this intent: name the
-                # exception's type, never its text (which may carry payment details)
-                fence.abort(ticket, f"the function raised {type(exc).__name__}")
-
-        def commit(ticket: PreparedEffect, result: Any) -> EffectCert:
-            try:
-                return fence.commit(ticket, result)
-            except InvalidRequest as exc:
-                # it ran, but its result can't be recorded: fence the intent, say why
-                fence.abort(ticket, f"result not recordable: {exc.message}"[:1000])
-                raise
-
         if inspect.iscoroutinefunction(fn):
             afn = cast(Callable[..., Any], fn)
 
             async def acall(*a: Any, **kw: Any) -> FencedCall:
-                req = build(a, kw)
-                loop_deadline = asyncio.get_running_loop().time() + timeout
-                while True:
-                    try:
-                        adm = fence.prepare(req)
-                        break
-                    except IntentInFlight as exc:
-                        left = loop_deadline - asyncio.get_running_loop().time()
-                        if not wait or left <= 0:
-                            raise
-                        ev = fence.waiter(req.intent)
-                        if fence.intent_status(req.intent).state == "in_flight":
-                            pause = min(left, exc.retry_after or left)
-                            await asyncio.to_thread(ev.wait, pause)
-                if not adm.fresh:
-                    return FencedCall(adm.cert.result, adm.cert, False)
-                ticket = adm.ticket
-                renewer = _start_async_renewer(fence, ticket, renew_every)
-                try:
-                    result = await afn(*a, **kw)
-                except BaseException as exc:
-                    _stop(renewer)
-                    finish_error(ticket, exc)
-                    raise
-                _stop(renewer)
-                return FencedCall(result, commit(ticket, result), True)
+                async def effect(ticket: PreparedEffect) -> Any:
+                    return await afn(*a, **kw)
+
+                return await run_async(fence, build(a, kw), options, effect, offload=offload)
 
             @functools.wraps(fn)
             async def awrapper(*a: Any, **kw: Any) -> Any:
@@ -176,31 +128,7 @@ def fenced(
             return cast(Callable[P, R], awrapper)
 
         def call(*a: Any, **kw: Any) -> FencedCall:
-            req = build(a, kw)
-            deadline = time.monotonic() + timeout
-            while True:
-                try:
-                    adm = fence.prepare(req)
-                    break
-                except IntentInFlight as exc:
-                    left = deadline - time.monotonic()
-                    if not wait or left <= 0:
-                        raise
-                    ev = fence.waiter(req.intent)
-                    if fence.intent_status(req.intent).state == "in_flight":
-                        ev.wait(min(left, exc.retry_after or left))
-            if not adm.fresh:
-                return FencedCall(adm.cert.result, adm.cert, False)
-            ticket = adm.ticket
-            renewer = _start_thread_renewer(fence, ticket, renew_every)
-            try:
-                result = fn(*a, **kw)
-            except BaseException as exc:
-                _stop(renewer)
-                finish_error(ticket, exc)
-                raise
-            _stop(renewer)
-            return FencedCall(result, commit(ticket, result), True)
+            return run_sync(fence, build(a, kw), options, lambda ticket: fn(*a, **kw))
 
         @functools.wraps(fn)
         def wrapper(*a: Any, **kw: Any) -> Any:
@@ -258,55 +186,3 @@ def _binder(
         return bound
 
     return fast
-
-
-class _Renewer:
-    __slots__ = ("stop", "task")
-
-    def __init__(self, stop: threading.Event | None, task: asyncio.Task[None] | None) -> None:
-        self.stop = stop
-        self.task = task
-
-
-def _stop(renewer: _Renewer | None) -> None:
-    if renewer is None:
-        return
-    if renewer.stop is not None:
-        renewer.stop.set()
-    if renewer.task is not None:
-        renewer.task.cancel()
-
-
-def _start_thread_renewer(
-    fence: EffectFence, ticket: PreparedEffect, every: float | None
-) -> _Renewer | None:
-    if every is None:
-        return None
-    stop = threading.Event()
-
-    def beat() -> None:
-        while not stop.wait(every):
-            try:
-                fence.renew(ticket)
-            except Refusal:
-                return  # taken over or finished: commit will say so
-
-    threading.Thread(target=beat, name=f"effectfence-renew-{ticket.intent}", daemon=True).start()
-    return _Renewer(stop, None)
-
-
-def _start_async_renewer(
-    fence: EffectFence, ticket: PreparedEffect, every: float | None
-) -> _Renewer | None:
-    if every is None:
-        return None
-
-    async def beat() -> None:
-        while True:
-            await asyncio.sleep(every)
-            try:
-                fence.renew(ticket)
-            except Refusal:
-                return
-
-    return _Renewer(None, asyncio.get_running_loop().create_task(beat()))

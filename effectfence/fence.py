@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import math
-import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from effectfence import _accel
 from effectfence.canonical import (
     MAX_SAFE_INTEGER,
     CanonicalError,
@@ -24,8 +22,8 @@ from effectfence.canonical import (
     fast_bytes,
     name_bytes,
 )
-from effectfence.cert import CERT_FORMAT_JSON, EffectCert, spliced_hash
-from effectfence.clock import VectorClock
+from effectfence.cert import EffectCert, spliced_hash
+from effectfence.clock import VectorClock, ticket_counts
 from effectfence.counters import new_table
 from effectfence.errors import (
     REFUSAL_TYPES,
@@ -45,39 +43,22 @@ from effectfence.model import (
     Replay,
 )
 from effectfence.protocol import (
-    PREPARE_TABLE,
     Action,
     IntentRecord,
     Row,
+    State,
+    TicketVerdict,
+    decide_prepare,
     judge_ticket,
     observe,
+    plan_claim,
+    plan_commit,
     prepare_refusal,
+    reclaim_after,
+    recommit,
 )
-from effectfence.store.base import FenceStore
+from effectfence.store.base import APPLIED, BUSY, RACE, STALE, FenceStore, Step
 from effectfence.store.memory import MemoryStore
-
-#: What the C fast path shadows, and the methods whose behaviour it reproduces.
-_FAST_SHADOWED = ("prepare", "commit")
-_FAST_STANDS_IN = (
-    *_FAST_SHADOWED,
-    "_payload",
-    "_prepare_payload",
-    "_admit",
-    "_check_ticket",
-    "_result_json",
-    "_wake",
-)
-
-
-def _atomic_addresses() -> dict[str, int]:
-    from effectfence import _atomic  # present: the fence's counters are the C table
-
-    return {
-        "reserve_address": _atomic.RESERVE_ADDRESS,
-        "advance_if_address": _atomic.ADVANCE_IF_ADDRESS,
-        "load_address": _atomic.LOAD_ADDRESS,
-    }
-
 
 __all__ = [
     "DEFAULT_LEASE_TTL",
@@ -94,6 +75,9 @@ DEFAULT_LEASE_TTL = 30.0
 DEFAULT_RESULT_TTL = 24 * 3600.0
 DEFAULT_SWEEP_INTERVAL = 1.0
 DEFAULT_SWEEP_BATCH = 10_000
+#: due records each prepare reclaims when any are due: more than one attempt schedules
+#: (a lease and a result), so reclaiming keeps pace with admission at any rate (G8)
+REAP_BATCH = 4
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 20
 DEFAULT_MAX_DEPTH = 32
 #: longest lease or finite result lifetime accepted (~31 years): deadlines stay exact floats
@@ -101,7 +85,8 @@ MAX_TTL = 1e9
 _MAX_MOVES = 64  # a record that moves this often under one prepare is reported in flight
 
 _REPLAY, _CLAIM, _TAKEOVER = Action.REPLAY, Action.CLAIM, Action.TAKEOVER
-_ROW_ABSENT = Row.ABSENT
+_ALLOW, _COMMITTED = TicketVerdict.ALLOW, TicketVerdict.COMMITTED
+_STALE_REASON = "read_set_stale"
 
 PREPARE_BUCKETS = ("admitted", "replayed", *REFUSAL_TYPES)
 EVENT_BUCKETS = (
@@ -176,12 +161,25 @@ class IntentStatus:
     details: dict[str, Any] = field(default_factory=dict)
 
 
+class _Waiter:
+    """Waiters of one intent in this process: woken at its next transition."""
+
+    __slots__ = ("count", "event")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.count = 0
+
+
 class EffectFence:
     """Exactly one attempt per intent runs; every other learns what happened.
 
     ``fence.prepare(request)`` returns :class:`Fresh` (run the effect, then ``commit`` the
     ticket) or :class:`Replay` (it already ran: here is the certificate), or raises a typed
     :class:`~effectfence.errors.Refusal`.
+
+    This class is the driver of the sans-IO protocol: every decision is a call into
+    :mod:`effectfence.protocol`, every change one step of the store. It holds no rule.
     """
 
     def __init__(self, config: FenceConfig | None = None, *, store: FenceStore | None = None):
@@ -198,7 +196,11 @@ class EffectFence:
         self.store = store
         self._lease_ttl = float(cfg.lease_ttl)
         self._result_ttl = float(cfg.result_ttl)
-        self._lapsed_grace = float(cfg.result_ttl if cfg.lapsed_grace is None else cfg.lapsed_grace)
+        grace = float(cfg.result_ttl if cfg.lapsed_grace is None else cfg.lapsed_grace)
+        self._lapsed_grace = grace
+        self._lease_reclaim = reclaim_after(State.IN_FLIGHT, self._lease_ttl, grace)
+        self._result_reclaim = reclaim_after(State.DONE, self._result_ttl, grace)
+        self._failed_reclaim = reclaim_after(State.FAILED, 0.0, grace)
         backend = store.counters_backend
         self._stats = new_table(backend if backend in ("atomic", "pure") else None)
         self._slot = {k: self._stats.slot(k) for k in (*PREPARE_BUCKETS, *EVENT_BUCKETS)}
@@ -208,73 +210,29 @@ class EffectFence:
         self._slot_replayed = self._slot["replayed"]
         self._now = store.now
         self._get = store.get
+        self._due = store.due
         # the memory store keeps the payload itself: skip a call that returns its argument
         self._fp_is_payload = type(store).fingerprint_of is MemoryStore.fingerprint_of
         self._auto = cfg.auto_sweep
-        self._waiters: dict[str, threading.Event] = {}
-        # when the next auto-sweep is due: a one-slot list, read by the C path without an
-        # attribute lookup
-        self._sweep_due = [-math.inf]
+        self._waiters: dict[str, _Waiter] = {}
+        self._waiters_lock = threading.Lock()
+        self._sweep_due = -math.inf
         self._sweep_lock = threading.Lock()
-        self._fast: Any = None
-        self._install_fast_path()
 
-    def _install_fast_path(self) -> None:
-        """Shadow prepare and commit with the C accelerator's, when it applies: the default
-        memory store on the C counter table, and methods not overridden by a subclass. The C
-        methods handle the common paths and hand everything else to the methods below."""
-        for name in _FAST_SHADOWED:  # a second __init__ must not keep an old binding
-            self.__dict__.pop(name, None)
-        self._fast = None
-        sp = _accel.speedups
-        store = self.store
-        cls = type(self)
-        if (
-            sp is None
-            or type(store) is not MemoryStore
-            # the C path stands in for these: a subclass that overrides any of them keeps
-            # the Python paths everywhere, not only on the rows the C path hands back
-            or any(getattr(cls, m) is not getattr(EffectFence, m) for m in _FAST_STANDS_IN)
-            or self._stats.backend != "atomic"
-            or type(self.config.max_depth) is not int
-        ):
-            return
-        parts = store.fast_path_parts()
-        if parts is None:
-            return
-        cfg = self.config
-        parts.update(
-            EffectRequest=EffectRequest,
-            PreparedEffect=PreparedEffect,
-            VectorClock=VectorClock,
-            Fresh=Fresh,
-            Replay=Replay,
-            EffectCert=EffectCert,
-            sweep_due=self._sweep_due,
-            waiters=self._waiters,
-            wake=self._wake,
-            slow_prepare=EffectFence.prepare.__get__(self),
-            slow_prepare_payload=self._prepare_payload,
-            slow_commit=EffectFence.commit.__get__(self),
-            admit=self._admit,
-            auto_sweep=int(self._auto),
-            lease_ttl=self._lease_ttl,
-            result_ttl=self._result_ttl,
-            # clamped to what C holds; beyond that no payload could be built anyway
-            max_depth=min(cfg.max_depth, sys.maxsize),
-            max_args_bytes=int(min(cfg.max_args_bytes, sys.maxsize)),
-            max_result_bytes=int(min(cfg.max_result_bytes, sys.maxsize)),
-            **_atomic_addresses(),
-            slot_admitted=self._slot_admitted,
-            slot_replayed=self._slot_replayed,
-            slot_commits=self._slot_commits,
-            sha256=hashlib.sha256,
-            sha256_address=_accel.openssl_sha256_address(),
-            format_json=CERT_FORMAT_JSON,
-        )
-        self._fast = sp.FastPath(parts)
-        self.prepare = self._fast.prepare  # type: ignore[method-assign]
-        self.commit = self._fast.commit  # type: ignore[method-assign]
+    @classmethod
+    def from_url(cls, url: str, config: FenceConfig | None = None, **options: Any) -> EffectFence:
+        """A fence on the store a URL names: ``memory:``, ``sqlite:///path/fence.db``,
+        ``postgresql://...``, ``redis://...`` (see :func:`effectfence.store.open_store`)."""
+        from effectfence.store import open_store
+
+        cfg = config or FenceConfig()
+        if url.strip().lower() in ("memory:", "memory://", "memory"):
+            return cls(cfg)
+        return cls(cfg, store=open_store(url, **options))
+
+    def close(self) -> None:
+        """Release the store's connections."""
+        self.store.close()
 
     # -- statistics ---------------------------------------------------------------------------
     def _count(self, bucket: str) -> None:
@@ -351,90 +309,70 @@ class EffectFence:
         if type(request) is not EffectRequest:
             self._count("invalid_request")
             raise InvalidRequest(f"prepare takes an EffectRequest, got {type(request).__name__}")
+        intent = request.intent
         try:
-            payload, args_json = self._payload(
-                request.intent, request.args, request.domain, request.tool
-            )
+            payload, args_json = self._payload(intent, request.args, request.domain, request.tool)
         except InvalidRequest:
             self._count("invalid_request")
             raise
-        return self._prepare_payload(request, payload, args_json)
-
-    def _prepare_payload(
-        self, request: EffectRequest, payload: bytes, args_json: bytes
-    ) -> Admission:
-        """prepare, from the canonical payload on (the C fast path, having built the
-        payload, hands every case it does not decide to this)."""
         store = self.store
         fp = payload if self._fp_is_payload else store.fingerprint_of(payload)
-        intent = request.intent
         now = self._now()
-        if self._auto and now >= self._sweep_due[0]:
-            self._auto_sweep()
-            now = self._now()
+        if self._auto:
+            if now >= self._sweep_due:
+                self._auto_sweep(now)
+            elif self._due(now):  # keep pace with admission: a few due records per call
+                self.sweep(REAP_BATCH)
+        compare, reserve_at, contradiction = plan_claim(
+            request.read_set, request.domain, request.expected_seq
+        )
         for attempt in range(_MAX_MOVES):
             if attempt:
                 now = self._now()
             rec = self._get(intent)
-            # rule 2 of the protocol (decide_prepare), inlined: this line runs per attempt
-            if rec is None:
-                row, action = _ROW_ABSENT, _CLAIM
-            else:
-                row = observe(rec, now)
-                action = PREPARE_TABLE[row, rec.fingerprint == fp]
+            row, action = decide_prepare(rec, now, fp)
             if action is _REPLAY:
-                assert rec is not None
                 self._inc(self._slot_replayed)
-                return Replay(rec.cert)
+                return Replay(rec.cert)  # type: ignore[union-attr]
             if action is not _CLAIM and action is not _TAKEOVER:
                 assert rec is not None
                 refusal = prepare_refusal(action, row, rec, now, intent)
                 self._count(refusal.code)
                 raise refusal
-            res = store.claim(
+            if contradiction is not None:  # both cannot hold: report where the domain is
+                d, want, _ = contradiction
+                raise self._refuse_stale(intent, row, (d, want, store.current(d)))
+            step = store.claim(
                 intent,
+                expect=rec,
                 fingerprint=fp,
                 domain=request.domain,
                 agent=request.agent,
                 lease_ttl=self._lease_ttl,
-                observed_token=None if rec is None else rec.token,
-                read_set=request.read_set,
-                expected_seq=request.expected_seq,
+                reclaim_after=self._lease_reclaim,
+                compare=compare,
+                reserve_at=reserve_at,
             )
-            if res.ok:
-                return self._admit(
-                    request,
-                    fp,
-                    args_json,
-                    res.seq,
-                    res.token,
-                    res.lease_until,
-                    res.head,
-                    res.takeover,
-                )
-            if res.stale is not None:
-                d, want, got = res.stale
-                self._count("read_set_stale")
-                raise ReadSetStale(
-                    f"can't prepare {intent!r}: read set says {d!r} at {want}, it is at {got}",
-                    intent=intent,
-                    state=row.value,
-                    domain=d,
-                    expected=want,
-                    actual=got,
-                )
-            if res.race is not None:
+            outcome = step.outcome
+            if outcome is APPLIED:
+                return self._admit(request, fp, args_json, step, action is _TAKEOVER)
+            if outcome is STALE:
+                raise self._refuse_stale(intent, row, step.stale)
+            if outcome is RACE:
+                assert step.stale is not None
+                if request.expected_seq is None:  # the read set's own-domain entry moved
+                    raise self._refuse_stale(intent, row, step.stale)
                 self._count("domain_race")
                 raise DomainRace(
                     f"can't prepare {intent!r}: expected {request.domain!r} at "
-                    f"{request.expected_seq}, it is at {res.race}",
+                    f"{request.expected_seq}, it is at {step.stale[2]}",
                     intent=intent,
                     state=row.value,
                     domain=request.domain,
                     expected=request.expected_seq,
-                    actual=res.race,
+                    actual=step.stale[2],
                 )
-            # the record moved between observation and claim: observe again
+            # MOVED: the record changed between observation and claim: observe again
         self._count("intent_in_flight")
         raise IntentInFlight(
             f"can't prepare {intent!r}: the record kept changing under contention",
@@ -443,31 +381,32 @@ class EffectFence:
             retry_after=0.0,
         )
 
+    def _refuse_stale(self, intent: str, row: Row, stale: Any) -> ReadSetStale:
+        d, want, got = stale
+        self._count("read_set_stale")
+        return ReadSetStale(
+            f"can't prepare {intent!r}: read set says {d!r} at {want}, it is at {got}",
+            intent=intent,
+            state=row.value,
+            domain=d,
+            expected=want,
+            actual=got,
+        )
+
     def _admit(
-        self,
-        request: EffectRequest,
-        fp: bytes,
-        args_json: bytes,
-        seq: int,
-        token: int,
-        lease_until: float,
-        head: Any,
-        takeover: bool,
+        self, request: EffectRequest, fp: bytes, args_json: bytes, step: Step, takeover: bool
     ) -> Fresh:
-        # merge(known_clock, domain head clock), ticked at the agent: built as one dict
-        counters = dict(head.clock)
-        known = request.known_clock
-        if known:
-            for a, n in known.items():
-                if n > counters.get(a, 0):
-                    counters[a] = n
+        rec = step.record
+        assert rec is not None
+        head = step.head
+        seq = rec.seq
         agent = request.agent
-        tick = counters[agent] = counters.get(agent, 0) + 1
-        if seq > MAX_SAFE_INTEGER or tick > MAX_SAFE_INTEGER:
+        counters = ticket_counts(head.clock, request.known_clock, agent)
+        if seq > MAX_SAFE_INTEGER or counters[agent] > MAX_SAFE_INTEGER:
             # Unreachable by honest use (2**53 reservations, or commits by one agent), but a
             # forged known_clock can carry a domain's head to the edge. A certificate could not
             # record this seq or clock: refuse now, before the effect runs (fail closed).
-            self.store.release(request.intent, token)
+            self.store.release(request.intent, rec.token)
             self._count("invalid_request")
             what = (
                 f"domain {request.domain!r} has used up its JSON-safe seq range"
@@ -478,21 +417,19 @@ class EffectFence:
             raise InvalidRequest(
                 f"{what}; a certificate could not record this attempt", intent=request.intent
             )
-        clock = VectorClock._trusted(counters)
-        domain = request.domain
         ticket = PreparedEffect(
             request.intent,
-            domain,
+            request.domain,
             seq,
-            token,
+            rec.token,
             agent,
             request.tool,
             request.args,
             request.read_set,
             request.parent if request.parent is not None else head.hash,
-            clock,
+            VectorClock._trusted(counters),
             request.expected_seq,
-            lease_until,
+            rec.lease_until,
             fp,
             args_json,
         )
@@ -503,19 +440,19 @@ class EffectFence:
         return Fresh(ticket, takeover)
 
     # -- ticket operations ------------------------------------------------------------------------
-    def _check_ticket(self, op: str, ticket: PreparedEffect) -> bytes:
-        """Refuse a ticket that is not the current lease (G2) or not the admitted payload.
-
-        Returns the canonical args. A ticket that crossed a process boundary carries no
-        fingerprint of its own: its payload is recomputed from its (authenticated) fields.
-        """
+    def _check_ticket(
+        self, op: str, ticket: PreparedEffect
+    ) -> tuple[bytes, TicketVerdict, IntentRecord | None, Refusal | None]:
+        """Judge a ticket against the record now (G2); refuse one whose payload is not the
+        admitted one. Returns (canonical args, verdict, record, refusal to raise)."""
         if type(ticket) is not PreparedEffect:
             raise InvalidTicket(f"{op} takes a PreparedEffect ticket, got {type(ticket).__name__}")
         store = self.store
-        rec = store.get(ticket.intent)
-        refusal = judge_ticket(op, rec, store.now(), ticket.intent, ticket.token)
-        if refusal is not None:
+        rec, now = store.read(ticket.intent)
+        verdict, refusal = judge_ticket(op, rec, now, ticket.intent, ticket.token)
+        if verdict is not _ALLOW and verdict is not _COMMITTED:
             self._count("refused_ticket_ops")
+            assert refusal is not None
             raise refusal
         assert rec is not None
         fp = ticket.fingerprint
@@ -525,6 +462,11 @@ class EffectFence:
                 ticket.intent, ticket.args, ticket.domain, ticket.tool
             )
             fp = store.fingerprint_of(payload)
+        if verdict is _COMMITTED and (op != "commit" or rec.fingerprint != fp):
+            # only a retry of the very commit may learn the certificate; all else: lease_lost
+            self._count("refused_ticket_ops")
+            assert refusal is not None
+            raise refusal
         if rec.fingerprint != fp:
             self._count("refused_ticket_ops")
             raise InvalidTicket(
@@ -532,11 +474,11 @@ class EffectFence:
                 intent=ticket.intent,
                 token=ticket.token,
             )
-        return args_json
+        return args_json, verdict, rec, refusal
 
-    def _lost(self, op: str, ticket: PreparedEffect, current: IntentRecord | None) -> Refusal:
+    def _lost(self, op: str, ticket: PreparedEffect, found: IntentRecord | None) -> Refusal:
         self._count("refused_ticket_ops")
-        refusal = judge_ticket(op, current, self.store.now(), ticket.intent, ticket.token)
+        _, refusal = judge_ticket(op, found, self.store.now(), ticket.intent, ticket.token)
         if refusal is None:  # the record moved and moved back: still not ours to finish
             refusal = LeaseLost(
                 f"can't {op} {ticket.intent!r}: the lease moved", intent=ticket.intent
@@ -545,21 +487,20 @@ class EffectFence:
 
     def commit(self, ticket: PreparedEffect, result: Any) -> EffectCert:
         """Record the effect's result; DONE with a certificate, atomically with the token check."""
-        args_json = self._check_ticket("commit", ticket)
+        args_json, verdict, rec, refusal = self._check_ticket("commit", ticket)
         intent = ticket.intent
         result_json = self._result_json(intent, result)
+        if verdict is _COMMITTED:  # the same ticket commits again (G3)
+            assert rec is not None and refusal is not None
+            again = recommit(rec, result_json)
+            if again is None:
+                self._count("refused_ticket_ops")
+                raise refusal
+            return again  # type: ignore[no-any-return]
         domain = ticket.domain
-        # Strict about its own domain (expected_seq, or a read-set entry on it): judged
-        # against the ticket's own reservation, since the ticket itself moved the domain.
         read_set = ticket.read_set
-        others: tuple[tuple[str, int], ...] = ()
-        rs: tuple[tuple[str, int], ...] = ()
-        strict = ticket.expected_seq is not None
-        if read_set:
-            strict = strict or any(d == domain for d, _ in read_set)
-            others = tuple((d, s) for d, s in read_set if d != domain)
-            rs = tuple((d, s) for d, s in read_set)
-        own_seq = ticket.seq if strict else None
+        compare, own_seq = plan_commit(read_set, domain, ticket.seq, ticket.expected_seq)
+        rs = tuple((d, s) for d, s in read_set) if read_set else ()
         vc = ticket.vector_clock.to_dict()
         try:
             digest = spliced_hash(
@@ -591,52 +532,68 @@ class EffectFence:
             ticket.agent,
             digest,
         )
-        store = self.store
-        until = store.now() + self._result_ttl
-        res = store.complete(
-            ticket.intent, ticket.token, cert, until, read_set=others, own_seq=own_seq
+        step = self.store.complete(
+            intent,
+            ticket.token,
+            cert,
+            result_ttl=self._result_ttl,
+            reclaim_after=self._result_reclaim,
+            compare=compare,
+            own_seq=own_seq,
+            stale_reason=_STALE_REASON,
+            stale_reclaim_after=self._failed_reclaim,
         )
-        if res.ok:
+        outcome = step.outcome
+        if outcome is APPLIED:
             self._inc(self._slot_commits)
             if self._waiters:
                 self._wake(intent)
             return cert
-        if res.stale is not None:
-            d, want, got = res.stale
+        if outcome is STALE:
+            assert step.stale is not None
+            d, want, got = step.stale
             self._count("stale_commits")
-            self._wake(ticket.intent)
+            self._wake(intent)
             raise ReadSetStale(
-                f"can't commit {ticket.intent!r}: {d!r} moved from {want} to {got} while the "
+                f"can't commit {intent!r}: {d!r} moved from {want} to {got} while the "
                 "effect ran; the intent is now FAILED: reconcile, then clear it",
                 retryable=False,
                 recover="the effect ran on a stale view: do not run it again; reconcile "
                 "downstream, then an operator clears the intent",
-                intent=ticket.intent,
+                intent=intent,
                 state="failed",
                 token=ticket.token,
                 domain=d,
                 expected=want,
                 actual=got,
             )
-        raise self._lost("commit", ticket, res.current)
+        found = step.found
+        if found is not None and found.token == ticket.token and found.state is State.DONE:
+            # a concurrent retry of this very commit landed first: answer as a retry would
+            again = recommit(found, result_json)
+            if again is not None:
+                return again  # type: ignore[no-any-return]
+        raise self._lost("commit", ticket, found)
 
     def abort(self, ticket: PreparedEffect, reason: str = "aborted") -> None:
         """The outcome is unknown: fence the intent until an operator clears it (G9)."""
         if type(reason) is not str or not reason or len(reason) > 4096:
             raise InvalidRequest("abort reason must be a non-empty string of at most 4096 chars")
         self._check_ticket("abort", ticket)
-        ok, cur = self.store.fail(ticket.intent, ticket.token, reason)
-        if not ok:
-            raise self._lost("abort", ticket, cur)
+        step = self.store.fail(
+            ticket.intent, ticket.token, reason, reclaim_after=self._failed_reclaim
+        )
+        if step.outcome is not APPLIED:
+            raise self._lost("abort", ticket, step.found)
         self._count("aborts")
         self._wake(ticket.intent)
 
     def release(self, ticket: PreparedEffect) -> None:
         """The effect definitely did not fire: free the intent for a retry."""
         self._check_ticket("release", ticket)
-        ok, cur = self.store.release(ticket.intent, ticket.token)
-        if not ok:
-            raise self._lost("release", ticket, cur)
+        step = self.store.release(ticket.intent, ticket.token)
+        if step.outcome is not APPLIED:
+            raise self._lost("release", ticket, step.found)
         self._count("releases")
         self._wake(ticket.intent)
 
@@ -646,10 +603,16 @@ class EffectFence:
         if not (isinstance(lease, int | float) and 0 < lease <= MAX_TTL):
             raise InvalidRequest(f"ttl must be > 0 and <= {MAX_TTL:g} s, got {ttl!r}")
         self._check_ticket("renew", ticket)
-        until = self.store.now() + lease
-        ok, cur = self.store.renew(ticket.intent, ticket.token, until)
-        if not ok:
-            raise self._lost("renew", ticket, cur)
+        step = self.store.renew(
+            ticket.intent,
+            ticket.token,
+            lease_ttl=float(lease),
+            reclaim_after=reclaim_after(State.IN_FLIGHT, float(lease), self._lapsed_grace),
+        )
+        if step.outcome is not APPLIED:
+            raise self._lost("renew", ticket, step.found)
+        assert step.record is not None
+        until = step.record.lease_until
         ticket.lease_until = until
         self._count("renewals")
         return until
@@ -669,40 +632,8 @@ class EffectFence:
         """One intent's state now, as a value. Never creates state (G8)."""
         if type(intent) is not str or not intent:
             raise InvalidRequest("intent must be a non-empty string")
-        store = self.store
-        now = store.now()
-        rec = store.get(intent)
-        row = observe(rec, now)
-        if rec is None or row is Row.DONE_EXPIRED:
-            return IntentStatus(intent, Row.ABSENT.value)
-        if row in (Row.IN_FLIGHT_LIVE, Row.IN_FLIGHT_LAPSED):
-            return IntentStatus(
-                intent,
-                row.value,
-                token=rec.token,
-                holder=rec.agent,
-                domain=rec.domain,
-                lease_until=rec.lease_until,
-                retry_after=max(0.0, rec.lease_until - now),
-            )
-        if row is Row.DONE_LIVE:
-            return IntentStatus(
-                intent,
-                row.value,
-                token=rec.token,
-                holder=rec.agent,
-                domain=rec.domain,
-                cert=rec.cert,
-            )
-        return IntentStatus(
-            intent,
-            row.value,
-            token=rec.token,
-            holder=rec.agent,
-            domain=rec.domain,
-            reason=rec.reason,
-            since=rec.since,
-        )
+        rec, now = self.store.read(intent)
+        return status_of(intent, rec, now)
 
     def current(self, domain: str) -> int:
         """The domain's last reserved seq (the floor if it does not exist). Creates nothing."""
@@ -714,37 +645,66 @@ class EffectFence:
         """Forget a domain's counter; refused while an attempt is in flight on it (G5)."""
         if type(domain) is not str or not domain:
             raise InvalidRequest("domain must be a non-empty string")
-        return self.store.evict_domain(domain)
+        step = self.store.evict_domain(domain)
+        if step.outcome is BUSY:
+            raise IntentInFlight(
+                f"can't evict domain {domain!r}: {step.count} attempt(s) in flight on it",
+                state="in_flight",
+                domain=domain,
+                in_flight=step.count,
+            )
+        return step.value
 
     def sweep(self, limit: int | None = None) -> int:
         """Reclaim expired results and lapsed leases now; returns how many."""
-        n = self.store.sweep(limit, lapsed_grace=self._lapsed_grace)
-        for _ in range(n):
-            self._count("reclaimed")
+        n = self.store.sweep(limit)
+        if n:
+            for _ in range(n):
+                self._count("reclaimed")
         return n
 
-    def _auto_sweep(self) -> None:
+    def _auto_sweep(self, now: float) -> None:
         if not self._sweep_lock.acquire(blocking=False):
             return  # another thread is sweeping
         try:
-            self._sweep_due[0] = self.store.now() + self.config.sweep_interval
+            self._sweep_due = now + self.config.sweep_interval
             self.sweep(self.config.sweep_batch)
         finally:
             self._sweep_lock.release()
 
     # -- waiting -----------------------------------------------------------------------------------
     def _wake(self, intent: str) -> None:
-        ev = self._waiters.pop(intent, None)
-        if ev is not None:
-            ev.set()
+        w = self._waiters.pop(intent, None)
+        if w is not None:
+            w.event.set()
 
-    def waiter(self, intent: str) -> threading.Event:
-        """An event set at the intent's next transition (commit, abort, release, takeover,
-        clear). Check the status after taking it, then wait: no transition is missed."""
-        ev = self._waiters.get(intent)
-        if ev is None:
-            ev = self._waiters.setdefault(intent, threading.Event())
-        return ev
+    def wait(self, intent: str, timeout: float) -> bool:
+        """Block up to ``timeout`` s while ``intent`` is in flight with a live lease; True
+        when it is not (any more). Woken by this process's transitions at once, and by
+        other processes' through the store (:meth:`FenceStore.wait_for_change`).
+        Registered before the check, so no transition is missed; unregistered after."""
+        with self._waiters_lock:
+            w = self._waiters.get(intent)
+            if w is None:
+                w = self._waiters[intent] = _Waiter()
+            w.count += 1
+        try:
+            rec, now = self.store.read(intent)
+            if observe(rec, now) is not Row.IN_FLIGHT_LIVE:
+                return True
+            assert rec is not None
+            timeout = min(timeout, max(0.0, rec.lease_until - now))  # never past the lease
+            if self.store.shared:
+                self.store.wait_for_change(intent, rec, timeout)
+            else:
+                w.event.wait(timeout)
+            rec, now = self.store.read(intent)
+            return observe(rec, now) is not Row.IN_FLIGHT_LIVE
+        finally:
+            with self._waiters_lock:
+                w.count -= 1
+                if w.count == 0 and self._waiters.get(intent) is w:
+                    del self._waiters[intent]
 
     # -- conveniences -----------------------------------------------------------------------------
     def request(
@@ -778,3 +738,33 @@ class EffectFence:
             self._count("invalid_request")
             raise
         return self.prepare(request)
+
+
+def status_of(intent: str, rec: IntentRecord | None, now: float) -> IntentStatus:
+    """An intent's status from its record at ``now`` (the protocol's row, as a value)."""
+    row = observe(rec, now)
+    if rec is None or row is Row.DONE_EXPIRED:
+        return IntentStatus(intent, Row.ABSENT.value)
+    if row in (Row.IN_FLIGHT_LIVE, Row.IN_FLIGHT_LAPSED):
+        return IntentStatus(
+            intent,
+            row.value,
+            token=rec.token,
+            holder=rec.agent,
+            domain=rec.domain,
+            lease_until=rec.lease_until,
+            retry_after=max(0.0, rec.lease_until - now),
+        )
+    if row is Row.DONE_LIVE:
+        return IntentStatus(
+            intent, row.value, token=rec.token, holder=rec.agent, domain=rec.domain, cert=rec.cert
+        )
+    return IntentStatus(
+        intent,
+        row.value,
+        token=rec.token,
+        holder=rec.agent,
+        domain=rec.domain,
+        reason=rec.reason,
+        since=rec.since,
+    )

@@ -23,13 +23,26 @@ Rules, each enforced here and nowhere else:
    can never match again: that is the fencing of G2.
 4. A refusal names the operation, the observed state and the tokens; the caller raises it
    before touching anything, so a refused operation leaves every record as it was.
-5. The store then performs the chosen transition as one conditional step (compare by state
-   and token). If the record moved between observation and step, the step fails and the
-   driver observes again: decisions are never applied to a record they were not made on.
+5. The store then performs the chosen transition as one conditional step: a claim installs
+   only if the record is still the one observed (compare-and-set), a ticket operation only
+   if the record is still in flight under the ticket's token (compare-by-token). If the
+   record moved between observation and step, the step changes nothing and reports what it
+   found, and the driver observes again: decisions are never applied to a record they were
+   not made on. Time only moves forward, so a row observed lapsed or expired stays so while
+   the record is unchanged: the decision stays valid until the step.
+6. What a claim and a commit must compare (read set, ``expected_seq``) is planned here
+   (:func:`plan_claim`, :func:`plan_commit`); the store only compares the pairs it is given.
+7. When a record may be reclaimed is decided here, when it is written
+   (:func:`reclaim_after`): the store deletes records whose deadline has passed and
+   judges nothing else (G8).
+8. The fence's ``prepare``/``commit`` and every store call these functions; none of them
+   keeps a copy. ``docs/design.md`` maps each guarantee to the function that holds it.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from enum import Enum
 from typing import Any
 
@@ -52,6 +65,9 @@ __all__ = [
     "decide_prepare",
     "judge_ticket",
     "observe",
+    "plan_claim",
+    "plan_commit",
+    "reclaim_after",
 ]
 
 
@@ -104,6 +120,9 @@ class Action(Enum):
 class TicketVerdict(Enum):
     ALLOW = "allow"
     LEASE_LOST = "lease_lost"
+    #: the ticket that committed asks again: a commit with the same result gets the same
+    #: certificate (its first answer was lost in transit); anything else is lease_lost
+    COMMITTED = "committed"
 
     def __repr__(self) -> str:
         return self.name
@@ -123,6 +142,8 @@ class IntentRecord:
         "intent",
         "lease_until",
         "reason",
+        "reclaim_at",
+        "seq",
         "since",
         "state",
         "token",
@@ -142,6 +163,8 @@ class IntentRecord:
         until: float = 0.0,
         reason: str = "",
         since: float = 0.0,
+        seq: int = 0,
+        reclaim_at: float = math.inf,
     ) -> None:
         self.intent = intent
         self.state = state
@@ -154,6 +177,10 @@ class IntentRecord:
         self.until = until
         self.reason = reason
         self.since = since
+        #: the seq this attempt reserved on ``domain``
+        self.seq = seq
+        #: when a sweep may delete the record: set by the writer from :func:`reclaim_after`
+        self.reclaim_at = reclaim_at
 
     def __repr__(self) -> str:
         return (
@@ -209,8 +236,9 @@ TICKET_TABLE: dict[tuple[Row, bool], TicketVerdict] = {
     # Lapsed but not taken over: the token is still current, so the holder may finish.
     (Row.IN_FLIGHT_LAPSED, True): TicketVerdict.ALLOW,
     (Row.IN_FLIGHT_LAPSED, False): TicketVerdict.LEASE_LOST,
-    # A finished record is never overwritten by a ticket, not even its own.
-    (Row.DONE_LIVE, True): TicketVerdict.LEASE_LOST,
+    # A finished record is never overwritten by a ticket, not even its own; its own ticket
+    # may still learn its certificate (a commit retried with the same result, G3).
+    (Row.DONE_LIVE, True): TicketVerdict.COMMITTED,
     (Row.DONE_LIVE, False): TicketVerdict.LEASE_LOST,
     (Row.DONE_EXPIRED, True): TicketVerdict.LEASE_LOST,
     (Row.DONE_EXPIRED, False): TicketVerdict.LEASE_LOST,
@@ -272,35 +300,106 @@ def prepare_refusal(
 
 def judge_ticket(
     op: str, record: IntentRecord | None, now: float, intent: str, token: int
-) -> Refusal | None:
-    """Rule 3: None when ``op`` may proceed with ``token``, else the refusal to raise."""
+) -> tuple[TicketVerdict, Refusal | None]:
+    """Rule 3 (G2): may ``op`` proceed with ``token`` on ``record`` at ``now``?
+
+    Returns (verdict, refusal): ALLOW with None; COMMITTED with the refusal to raise unless
+    the caller is a commit retried with the same result (:func:`recommit`); LEASE_LOST with
+    the refusal to raise.
+    """
     row = observe(record, now)
     current = record is not None and record.token == token
-    if TICKET_TABLE[row, current] is _ALLOW:
-        return None
+    verdict = TICKET_TABLE[row, current]
+    if verdict is _ALLOW:
+        return verdict, None
     holder = None if record is None else record.agent
-    if current and row is _DONE_LIVE:
-        # The same ticket already committed (a retried commit whose answer was lost): still
-        # refused, as the table says, but with the recorded certificate so the caller can
-        # tell its own success from a lost lease.
-        return LeaseLost(
+    if verdict is TicketVerdict.COMMITTED:
+        assert record is not None
+        return verdict, LeaseLost(
             f"can't {op} {intent!r}: state={row.value}, this ticket (token {token}) already "
-            "committed; its certificate is in details.cert_hash",
+            "committed with another result; its certificate is in details.cert_hash",
             intent=intent,
             state=row.value,
             token=token,
             holder=holder,
             committed_by_this_ticket=True,
-            cert_hash=getattr(record.cert if record is not None else None, "hash", None),
+            cert_hash=getattr(record.cert, "hash", None),
         )
     held = "" if record is None else f"; current token {record.token}"
-    return LeaseLost(
+    return verdict, LeaseLost(
         f"can't {op} {intent!r}: state={row.value}, token {token} is not the current lease{held}",
         intent=intent,
         state=row.value,
         token=token,
         holder=holder,
     )
+
+
+def recommit(record: IntentRecord, result_json: bytes) -> Any:
+    """The COMMITTED row (G3): the ticket that committed commits again. The same result gets
+    the recorded certificate (an answer lost in transit can be retried); None otherwise."""
+    cert = record.cert
+    if cert is not None and cert.result_json == result_json:
+        return cert
+    return None
+
+
+def plan_claim(
+    read_set: Sequence[tuple[str, int]], domain: str, expected_seq: int | None
+) -> tuple[tuple[tuple[str, int], ...], int | None, tuple[str, int, int | None] | None]:
+    """Rule 6 (G6): what a claim compares, as (compare, reserve_at, contradiction).
+
+    ``compare``: read-set entries on other domains, each must be at its seq when the claim
+    applies. ``reserve_at``: the seq the claim's own domain must be at, reserved by one
+    compare-exchange (``expected_seq``, or a read-set entry on the claim's own domain, since
+    other claims may reserve on it between a check and a separate fetch-add); None reserves
+    the next seq. ``contradiction``: a read-set entry and ``expected_seq`` that name two
+    different seqs for the own domain (both cannot hold): a stale read set, nothing to try.
+    """
+    if not read_set:
+        return (), expected_seq, None
+    own: int | None = None
+    others = []
+    for d, s in read_set:
+        if d == domain:
+            own = s
+        else:
+            others.append((d, s))
+    if own is not None and expected_seq is not None and own != expected_seq:
+        return tuple(others), None, (domain, own, expected_seq)
+    return tuple(others), expected_seq if expected_seq is not None else own, None
+
+
+def plan_commit(
+    read_set: Sequence[tuple[str, int]], domain: str, seq: int, expected_seq: int | None
+) -> tuple[tuple[tuple[str, int], ...], int | None]:
+    """Rule 6 (G6): what a commit re-validates, as (compare, own_seq).
+
+    Read-set entries on other domains must still hold. An attempt strict about its own
+    domain (``expected_seq``, or a read-set entry on it) is judged against its own
+    reservation: the domain must still be at the ticket's ``seq`` (the ticket itself moved
+    it there), so another attempt that reserved on it meanwhile makes the commit stale.
+    """
+    strict = expected_seq is not None
+    others: tuple[tuple[str, int], ...] = ()
+    if read_set:
+        strict = strict or any(d == domain for d, _ in read_set)
+        others = tuple((d, s) for d, s in read_set if d != domain)
+    return others, (seq if strict else None)
+
+
+def reclaim_after(state: State, ttl: float, lapsed_grace: float) -> float:
+    """Rule 7 (G8): seconds after a write at which a sweep may delete the record.
+
+    A lease is kept ``lapsed_grace`` past its end (its holder may still commit while nobody
+    took over); a result lives ``ttl`` (``result_ttl``); a failure stays until an operator
+    clears it (G9), so it is never reclaimed by time.
+    """
+    if state is _S_IN_FLIGHT:
+        return ttl + lapsed_grace
+    if state is _S_DONE:
+        return ttl
+    return math.inf
 
 
 # Edges that time and the ticket operations add to the prepare table, for the diagram.
@@ -311,6 +410,7 @@ _OTHER_EDGES = (
     (Row.IN_FLIGHT_LIVE, Row.IN_FLIGHT_LIVE, "renew (current token)"),
     (Row.IN_FLIGHT_LIVE, Row.IN_FLIGHT_LAPSED, "lease_ttl passes"),
     (Row.IN_FLIGHT_LAPSED, Row.DONE_LIVE, "commit (token still current)"),
+    (Row.DONE_LIVE, Row.DONE_LIVE, "commit again (same ticket, same result) = same cert"),
     (Row.IN_FLIGHT_LAPSED, Row.ABSENT, "sweep, once lapsed_grace has passed"),
     (Row.DONE_LIVE, Row.DONE_EXPIRED, "result_ttl passes"),
     (Row.DONE_EXPIRED, Row.ABSENT, "sweep"),

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from effectfence import EffectFence
 from effectfence.counters import AtomicCounterTable, new_table
 from effectfence.protocol import IntentRecord
-from effectfence.store.base import ClaimResult, CommitResult, FenceStore
+from effectfence.store.base import FenceStore, Step
 from effectfence.store.memory import MemoryStore
 
 
@@ -116,30 +116,25 @@ class HookedStore(FenceStore):
         self._fire("get")
         return self.inner.get(intent)
 
-    def claim(self, intent: str, **kw: Any) -> ClaimResult:
+    def claim(self, intent: str, **kw: Any) -> Step:
         self._fire("claim")
         return self.inner.claim(intent, **kw)
 
-    def new_token(self) -> int:
-        return self.inner.new_token()
-
-    def complete(self, intent: str, token: int, cert: Any, until: float, **kw: Any) -> CommitResult:
+    def complete(self, intent: str, token: int, cert: Any, **kw: Any) -> Step:
         self._fire("complete")
-        return self.inner.complete(intent, token, cert, until, **kw)
+        return self.inner.complete(intent, token, cert, **kw)
 
-    def fail(self, intent: str, token: int, reason: str) -> tuple[bool, IntentRecord | None]:
+    def fail(self, intent: str, token: int, reason: str, **kw: Any) -> Step:
         self._fire("fail")
-        return self.inner.fail(intent, token, reason)
+        return self.inner.fail(intent, token, reason, **kw)
 
-    def release(self, intent: str, token: int) -> tuple[bool, IntentRecord | None]:
+    def release(self, intent: str, token: int) -> Step:
         self._fire("release")
         return self.inner.release(intent, token)
 
-    def renew(
-        self, intent: str, token: int, lease_until: float
-    ) -> tuple[bool, IntentRecord | None]:
+    def renew(self, intent: str, token: int, **kw: Any) -> Step:
         self._fire("renew")
-        return self.inner.renew(intent, token, lease_until)
+        return self.inner.renew(intent, token, **kw)
 
     def clear(self, intent: str) -> IntentRecord | None:
         self._fire("clear")
@@ -148,7 +143,7 @@ class HookedStore(FenceStore):
     def current(self, domain: str) -> int:
         return self.inner.current(domain)
 
-    def evict_domain(self, domain: str) -> int | None:
+    def evict_domain(self, domain: str) -> Step:
         self._fire("evict_domain")
         return self.inner.evict_domain(domain)
 

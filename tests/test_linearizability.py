@@ -79,7 +79,10 @@ def step(state: State, op: Op) -> State | None:
         return state if r == want else None
     if op.kind == "clear":
         return (*ABSENT[:4], top) if r == (phase != "absent",) else None
-    # ticket operations: only the current token of an in-flight record passes
+    # ticket operations: only the current token of an in-flight record passes, except that
+    # the ticket that committed may commit again (same result here) and gets the same cert
+    if op.kind == "commit" and phase == "done" and token == op.arg:
+        return state if r == ("ok", h) else None
     current = phase == "in_flight" and token == op.arg
     if not current:
         return state if r == ("lease_lost",) else None

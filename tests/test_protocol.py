@@ -65,10 +65,15 @@ def test_observe_rows(record: IntentRecord | None, now: float, row: Row) -> None
 
 def test_refusals_name_operation_state_and_token() -> None:
     r = rec(State.DONE, until=10.0)
-    refusal = judge_ticket("commit", r, 5.0, "i", 7)
+    verdict, refusal = judge_ticket("commit", r, 5.0, "i", 7)
+    assert verdict is TicketVerdict.COMMITTED  # the committing ticket: see recommit
+    assert refusal is not None and refusal.details["committed_by_this_ticket"] is True
+    verdict, refusal = judge_ticket("commit", r, 5.0, "i", 8)
+    assert verdict is TicketVerdict.LEASE_LOST
     assert refusal is not None and refusal.code == "lease_lost"
     assert "can't commit" in refusal.message and "state=done" in refusal.message
-    assert judge_ticket("commit", rec(State.IN_FLIGHT, lease_until=1.0), 5.0, "i", 7) is None
+    lapsed = rec(State.IN_FLIGHT, lease_until=1.0)
+    assert judge_ticket("commit", lapsed, 5.0, "i", 7) == (TicketVerdict.ALLOW, None)
     assert decide_prepare(r, 5.0, b"other") == (Row.DONE_LIVE, Action.REFUSE_CONFLICT)
 
 

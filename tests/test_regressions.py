@@ -272,7 +272,9 @@ def test_did_not_fire_with_a_non_type_is_refused_at_decoration(fence: EffectFenc
 
 def test_wheel_entry_is_not_lost_when_a_sweep_takes_its_bucket(clock: FakeClock) -> None:
     store = MemoryStore(clock=clock)
-    fence = EffectFence(FenceConfig(auto_sweep=False, lease_ttl=10.0), store=store)
+    fence = EffectFence(
+        FenceConfig(auto_sweep=False, lease_ttl=10.0, lapsed_grace=0.0), store=store
+    )
     fence.request("a", "d", "t")  # bucket of t+10 now exists
     wheel = HookedWheel(store._wheel)
     store._wheel = wheel

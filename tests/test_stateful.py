@@ -71,6 +71,7 @@ class MRec:
     until: float = 0.0
     cert_hash: str = ""
     reason: str = ""
+    result: Any = None
 
 
 @dataclass
@@ -226,6 +227,17 @@ class FenceMachine(RuleBasedStateMachine):
     @rule(held=tickets, result=st.sampled_from(("ok", "charged", 7)))
     def commit(self, held: Held, result: Any) -> None:
         t, m, now = held.ticket, self.m, self.clock()
+        done = m.records.get(t.intent)
+        if (
+            done is not None
+            and done.state == "done"
+            and done.token == t.token
+            and now < done.until
+            and done.result == result
+        ):
+            # the committing ticket commits again with the same result: the same certificate
+            assert self.fence.commit(t, result).hash == done.cert_hash
+            return
         if not self._current(held):
             self._expect_lost(lambda: self.fence.commit(t, result))
             return
@@ -251,7 +263,13 @@ class FenceMachine(RuleBasedStateMachine):
             result,
         )
         m.records[t.intent] = MRec(
-            "done", t.token, rec.payload, rec.agent, until=now + RESULT_TTL, cert_hash=cert.hash
+            "done",
+            t.token,
+            rec.payload,
+            rec.agent,
+            until=now + RESULT_TTL,
+            cert_hash=cert.hash,
+            result=result,
         )
         m.heads[t.domain] = cert.hash
         m.count("commits")

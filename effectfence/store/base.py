@@ -1,27 +1,43 @@
-"""The store contract: what a store must do, each operation one atomic step.
+"""The store contract: a few atomic compare-and-set steps that decide nothing.
 
-The fence (a driver around the sans-IO protocol) decides; a store carries decisions out.
-Every operation below is ONE conditional step in its store — a section under one lock, one
-SQL transaction, one Lua script — with its conditions named in code. If the condition does
-not hold, the step changes nothing and reports what it found instead, so the fence can
-re-observe and re-decide. A process killed between two steps leaves a record from which the
-guarantees still hold: an in-flight record whose holder died lapses and is taken over.
+The fence decides (every rule lives in :mod:`effectfence.protocol` and is applied by
+:mod:`effectfence.fence`); a store carries decisions out. Each step below is ONE atomic
+operation in its store (a section under one lock, one SQL transaction or statement, one Lua
+script) whose conditions are plain comparisons the decider chose: "the record is still the
+one I observed", "the record is in flight under this token", "domain D is at seq S". When a
+condition does not hold the step changes nothing and reports what it found, so the decider
+observes again and re-decides. A process killed between two steps leaves a record from
+which the guarantees still hold: an in-flight record whose holder died lapses and is taken
+over with a new token.
 
-Conditions are judged by the store's own clock (:meth:`FenceStore.now`): the process's
-monotonic clock in memory, the database server's clock for shared stores. Never a client's
-wall clock.
+Time: deadlines are computed inside the step from the store's own clock
+(:meth:`FenceStore.now`): the process's monotonic clock in memory, the database server's
+clock for shared stores; never a client's wall clock. The decider passes durations
+(``lease_ttl``, ``result_ttl``, ``reclaim_after``), the store adds its ``now``.
+
+Every step answers with one tagged :class:`Step`. ``tests/test_store_contract.py`` is the
+conformance suite: a new store passes by adding one fixture.
+
+The stale-holder hazard, and how the fencing token closes it::
+
+    t0  A claims            -> token 7, lease until t0+30
+    t31 A is paused, its lease lapses; the record still says IN_FLIGHT(token 7)
+    t32 B observes it lapsed and claims with expect=<that record>
+                            -> the store installs IN_FLIGHT(token 9): A's token is gone
+    t40 A wakes and commits -> complete(token 7) finds token 9: MOVED, nothing written
 """
 
 from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from enum import Enum
 from typing import Any
 
-from effectfence.protocol import IntentRecord
+from effectfence.protocol import IntentRecord, State
 
-__all__ = ["EMPTY_HEAD", "ClaimResult", "CommitResult", "FenceStore", "Head"]
+__all__ = ["EMPTY_HEAD", "FenceStore", "Head", "Outcome", "Step"]
 
 
 class Head:
@@ -33,75 +49,93 @@ class Head:
         self.hash = hash
         self.clock = clock
 
+    def __repr__(self) -> str:
+        return f"Head(hash={self.hash!r}, clock={self.clock!r})"
+
 
 EMPTY_HEAD = Head(None, {})
 
 
-class ClaimResult:
-    """Outcome of :meth:`FenceStore.claim`. Exactly one of the shapes below.
+class Outcome(Enum):
+    """What a step did. The repr is the name, as in messages."""
 
-    - claimed: ``ok`` True, ``seq`` reserved, ``token`` and ``lease_until`` of the new lease,
-      ``head`` of the domain at claim time.
-    - moved: ``ok`` False, ``current`` is the record found instead (re-decide on it).
-    - stale: ``ok`` False, ``stale`` = (domain, expected seq, actual seq) of a read-set entry.
-    - race: ``ok`` False, ``race`` = the domain's actual seq (expected_seq lost).
+    APPLIED = "applied"  # the condition held and the write happened
+    MOVED = "moved"  # the record is not the one the decider judged: ``found`` holds it
+    STALE = "stale"  # a compared (domain, seq) pair did not hold: ``stale`` names it
+    RACE = "race"  # the reserve compare-exchange lost: ``stale`` names the domain's seq
+    BUSY = "busy"  # evict_domain: attempts are in flight on the domain (``count``)
+
+    def __repr__(self) -> str:
+        return self.name
+
+    __hash__ = object.__hash__
+
+
+APPLIED, MOVED, STALE, RACE, BUSY = (
+    Outcome.APPLIED,
+    Outcome.MOVED,
+    Outcome.STALE,
+    Outcome.RACE,
+    Outcome.BUSY,
+)
+
+
+class Step:
+    """The one result type of every step.
+
+    - ``record``: the record the step installed (APPLIED), else None.
+    - ``found``: the record the step found (the one replaced, or the one that refused).
+    - ``head``: for a claim, the domain's head when it applied.
+    - ``stale``: (domain, expected seq, actual seq) for STALE and RACE.
+    - ``count``: attempts in flight, for BUSY; the evicted seq (or None) is ``value``.
     """
 
-    __slots__ = (
-        "current",
-        "head",
-        "lease_until",
-        "ok",
-        "race",
-        "seq",
-        "stale",
-        "takeover",
-        "token",
-    )
+    __slots__ = ("count", "found", "head", "outcome", "record", "stale", "value")
 
     def __init__(
         self,
-        ok: bool,
-        seq: int = 0,
-        token: int = 0,
-        lease_until: float = 0.0,
+        outcome: Outcome,
+        record: IntentRecord | None = None,
+        found: IntentRecord | None = None,
         head: Head = EMPTY_HEAD,
-        *,
-        current: IntentRecord | None = None,
         stale: tuple[str, int, int | None] | None = None,
-        race: int | None = None,
+        count: int = 0,
+        value: int | None = None,
     ) -> None:
-        self.ok = ok
-        self.seq = seq
-        self.token = token
-        self.lease_until = lease_until
+        self.outcome = outcome
+        self.record = record
+        self.found = found
         self.head = head
-        self.current = current
         self.stale = stale
-        self.race = race
-        #: the claim replaced a lapsed lease (not an absent or expired record)
-        self.takeover = False
+        self.count = count
+        self.value = value
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome is APPLIED
+
+    def __repr__(self) -> str:
+        return f"Step({self.outcome!r}, record={self.record!r}, found={self.found!r})"
 
 
-class CommitResult:
-    """Outcome of :meth:`FenceStore.complete`: done, lease lost, or stale (now FAILED)."""
+def same_record(a: IntentRecord | None, b: IntentRecord | None) -> bool:
+    """The compare of a claim's compare-and-set for stores that cannot compare identity.
 
-    __slots__ = ("current", "ok", "stale")
-
-    def __init__(
-        self,
-        ok: bool,
-        *,
-        current: IntentRecord | None = None,
-        stale: tuple[str, int, int | None] | None = None,
-    ) -> None:
-        self.ok = ok
-        self.current = current
-        self.stale = stale
+    Two versions of one intent are the same version when state, token and deadlines are
+    equal: every transition changes the token (claim, takeover) or the state or a deadline
+    (commit, abort, renew), so this tells versions apart as identity does in memory."""
+    if a is None or b is None:
+        return a is b
+    return (
+        a.token == b.token
+        and a.state is b.state
+        and a.lease_until == b.lease_until
+        and a.until == b.until
+    )
 
 
 class FenceStore(ABC):
-    """One contract, several stores; ``tests/test_store_contract.py`` runs against all."""
+    """One contract, several stores (memory, sqlite, postgresql, redis)."""
 
     #: short name reported in stats ("memory", "sqlite", ...)
     name: str = "store"
@@ -110,6 +144,9 @@ class FenceStore(ABC):
     #: what a wire ticket is bound to: tickets of one scope are never honoured by another.
     #: A shared durable store uses a stable identity of its database; memory is per object.
     ticket_scope: str = ""
+    #: True when the store is shared with other processes: waiting duplicates cannot rely on
+    #: the fence's in-process wake-ups alone and ask :meth:`wait_for_change`
+    shared: bool = False
 
     def fingerprint_of(self, payload: bytes) -> bytes:
         """What the store keeps to recognise "the same payload": by default its SHA-256.
@@ -118,6 +155,7 @@ class FenceStore(ABC):
         same action exactly when their payloads are equal (G4)."""
         return hashlib.sha256(payload).digest()
 
+    # -- reads ---------------------------------------------------------------------------
     @abstractmethod
     def now(self) -> float:
         """The store's clock, in seconds; leases and TTLs are judged by it alone."""
@@ -126,35 +164,58 @@ class FenceStore(ABC):
     def get(self, intent: str) -> IntentRecord | None:
         """The current record, or None. Never creates state."""
 
+    def read(self, intent: str) -> tuple[IntentRecord | None, float]:
+        """The record and the store's ``now``, read together (one round trip where the store
+        is remote: a replay is this one read)."""
+        return self.get(intent), self.now()
+
+    @abstractmethod
+    def current(self, domain: str) -> int:
+        """The domain's last reserved seq; an absent domain is at the floor. Never creates."""
+
+    @abstractmethod
+    def in_flight(self, domain: str) -> int:
+        """How many attempts are in flight on ``domain``."""
+
+    @abstractmethod
+    def size(self) -> dict[str, int]:
+        """Records and domains held, for stats and for the bounded-memory tests."""
+
+    def records(
+        self, *, states: Sequence[State] = (), domain: str | None = None, limit: int = 1000
+    ) -> Iterator[IntentRecord]:
+        """Stored records (for the operator), optionally of some states or one domain."""
+        raise NotImplementedError(f"the {self.name} store does not list records")
+
+    # -- steps ---------------------------------------------------------------------------
     @abstractmethod
     def claim(
         self,
         intent: str,
         *,
+        expect: IntentRecord | None,
         fingerprint: bytes,
         domain: str,
         agent: str,
         lease_ttl: float,
-        observed_token: int | None,
-        read_set: Sequence[tuple[str, int]],
-        expected_seq: int | None,
-    ) -> ClaimResult:
-        """Put-first claim, atomically with the read-set check and the seq reservation.
+        reclaim_after: float,
+        compare: Sequence[tuple[str, int]],
+        reserve_at: int | None,
+    ) -> Step:
+        """Put-first claim, atomically with the read-set compare and the seq reservation.
 
-        Conditions, all judged in the same step at the store's ``now``:
-          1. slot: no record, or the record has ``observed_token`` and is a lapsed lease
-             (takeover) or an expired result. Otherwise: moved, with the current record.
-          2. read set: every ``(domain, seq)`` is at ``seq`` now (an absent domain is at the
-             floor). Otherwise: stale, nothing written.
-          3. reserve on ``domain``: with ``expected_seq`` one compare-exchange ``S -> S+1``
-             (otherwise: race, nothing written); without, the next seq.
-        Then an IN_FLIGHT record with a new token (:meth:`new_token`) and
-        ``lease_until = now + lease_ttl`` is installed.
+        Conditions, in this order, all in one step:
+          1. slot: the intent's record is ``expect`` (None: there is none). Otherwise MOVED
+             with the record found.
+          2. compare: every ``(domain, seq)`` is at ``seq`` (an absent domain is at the
+             floor). Otherwise STALE, nothing written.
+          3. reserve on ``domain``: with ``reserve_at`` one compare-exchange ``S -> S+1``
+             (otherwise RACE with the domain's seq, nothing written; an absent domain is
+             at the floor and is not created by losing); without, the next seq.
+        Then APPLIED: an IN_FLIGHT record with a token larger than every token the store
+        handed out, ``lease_until = now + lease_ttl``, ``reclaim_at = now + reclaim_after``
+        and the reserved seq; ``head`` is the domain's head at that moment.
         """
-
-    @abstractmethod
-    def new_token(self) -> int:
-        """A fencing token larger than every token this store has handed out."""
 
     @abstractmethod
     def complete(
@@ -162,66 +223,75 @@ class FenceStore(ABC):
         intent: str,
         token: int,
         cert: Any,
-        until: float,
         *,
-        read_set: Sequence[tuple[str, int]],
+        result_ttl: float,
+        reclaim_after: float,
+        compare: Sequence[tuple[str, int]],
         own_seq: int | None,
-    ) -> CommitResult:
-        """IN_FLIGHT(token) -> DONE(cert, until), compare-by-token.
+        stale_reason: str,
+        stale_reclaim_after: float,
+    ) -> Step:
+        """IN_FLIGHT(token) -> DONE(cert, until = now + result_ttl,
+        reclaim_at = now + reclaim_after), compare-by-token.
 
-        The read set is re-validated in the same step; ``own_seq`` (set when the attempt was
-        strict about its own domain) must still be the domain's current seq. If a dependency
-        moved, the record becomes FAILED("read_set_stale") instead: the effect ran on a stale
-        view and must be reconciled. On success the domain head takes the certificate.
+        Otherwise MOVED with the record found. In the same step every ``compare`` pair and,
+        if given, ``own_seq`` (the record's own domain at that seq) are compared; if one
+        does not hold the record becomes FAILED(``stale_reason``, since=now, reclaim_at =
+        now + stale_reclaim_after) instead and the answer is STALE with the pair. On APPLIED
+        the domain's head becomes the certificate's hash, its clock the merge
+        (:func:`effectfence.clock.merge_counts`).
         """
 
     @abstractmethod
-    def fail(self, intent: str, token: int, reason: str) -> tuple[bool, IntentRecord | None]:
-        """IN_FLIGHT(token) -> FAILED(reason, since=now), compare-by-token.
-
-        Returns (done, record found): the record that was replaced, or the one that refused.
-        """
+    def fail(self, intent: str, token: int, reason: str, *, reclaim_after: float) -> Step:
+        """IN_FLIGHT(token) -> FAILED(reason, since=now, reclaim_at=now + reclaim_after),
+        compare-by-token."""
 
     @abstractmethod
-    def release(self, intent: str, token: int) -> tuple[bool, IntentRecord | None]:
+    def release(self, intent: str, token: int) -> Step:
         """IN_FLIGHT(token) -> ABSENT: compare-and-delete by token, never by key alone."""
 
     @abstractmethod
-    def renew(
-        self, intent: str, token: int, lease_until: float
-    ) -> tuple[bool, IntentRecord | None]:
-        """IN_FLIGHT(token) -> IN_FLIGHT(token, lease_until), compare-by-token."""
+    def renew(self, intent: str, token: int, *, lease_ttl: float, reclaim_after: float) -> Step:
+        """IN_FLIGHT(token) -> IN_FLIGHT(token, now + lease_ttl), compare-by-token."""
 
     @abstractmethod
     def clear(self, intent: str) -> IntentRecord | None:
         """Operator reconcile: any state -> ABSENT. Returns the record removed."""
 
     @abstractmethod
-    def current(self, domain: str) -> int:
-        """The domain's last reserved seq; an absent domain is at the floor. Never creates."""
+    def evict_domain(self, domain: str) -> Step:
+        """Forget a domain's counter and head, unless attempts are in flight on it (BUSY
+        with their ``count``). APPLIED with ``value`` the seq it was at (None if absent).
+        A later re-creation starts above every seq the domain ever handed out (G5)."""
 
     @abstractmethod
-    def evict_domain(self, domain: str) -> int | None:
-        """Forget a domain; refused (IntentInFlight) while an attempt is in flight on it.
+    def sweep(self, limit: int | None = None) -> int:
+        """Delete records whose ``reclaim_at`` has passed (compare-by-token against the
+        version that set it), at O(expired) cost; returns how many."""
 
-        A later re-creation must start above every seq the domain ever handed out (G5).
-        """
+    def due(self, now: float) -> bool:
+        """Cheap hint: has some record's ``reclaim_at`` passed? Stores where asking costs a
+        round trip answer False and are swept on the fence's ``sweep_interval`` alone."""
+        return False
 
-    @abstractmethod
-    def in_flight(self, domain: str) -> int:
-        """How many attempts are in flight on ``domain``."""
+    # -- waiting and lifetime ------------------------------------------------------------
+    def wait_for_change(self, intent: str, seen: IntentRecord | None, timeout: float) -> bool:
+        """Block up to ``timeout`` s until the intent's record is no longer ``seen``, for
+        waiters in other processes; True if it changed. Stores that can be woken (LISTEN,
+        pub/sub) override this; the default polls with backoff."""
+        import time
 
-    @abstractmethod
-    def sweep(self, limit: int | None = None, *, lapsed_grace: float = 0.0) -> int:
-        """Reclaim expired results, and leases lapsed for more than ``lapsed_grace`` seconds,
-        at O(expired) cost; returns how many.
-
-        A lapsed lease nobody took over still belongs to its holder, who may commit: it is
-        kept for the grace period, then reclaimed (its holder is presumed dead)."""
-
-    @abstractmethod
-    def size(self) -> dict[str, int]:
-        """Records and domains held, for stats and for the bounded-memory tests."""
+        deadline = time.monotonic() + timeout
+        pause = 0.002
+        while True:
+            if not same_record(self.get(intent), seen):
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.1)
 
     def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Release connections; the memory store has none."""

@@ -1,0 +1,109 @@
+"""How durable stores write records and certificates: one encoding for all of them.
+
+A certificate is kept as its JSON form (:meth:`EffectCert.to_dict`, canonical bytes), so a
+replay in any process rebuilds the same certificate, hash included, and ``verify()`` still
+recomputes it from the fields: a store that corrupts a byte is caught, never trusted.
+A record's other fields are plain columns (or hash fields), named by :data:`RECORD_FIELDS`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from effectfence.canonical import canonical_bytes, json_loads
+from effectfence.cert import EffectCert
+from effectfence.protocol import IntentRecord, State
+
+__all__ = [
+    "RECORD_FIELDS",
+    "cert_from_json",
+    "cert_to_json",
+    "decode_deadline",
+    "encode_deadline",
+    "record_from_row",
+    "record_to_row",
+]
+
+#: the columns of a stored record, in this order (``cert`` holds :func:`cert_to_json`)
+RECORD_FIELDS = (
+    "intent",
+    "state",
+    "token",
+    "fingerprint",
+    "domain",
+    "agent",
+    "lease_until",
+    "cert",
+    "until",
+    "reason",
+    "since",
+    "seq",
+    "reclaim_at",
+)
+
+_STATES = {s.value: s for s in State}
+#: what a stored "never" looks like where a column can't hold infinity (JSON, some SQL)
+NEVER = 1e300
+
+
+def cert_to_json(cert: EffectCert) -> bytes:
+    """RFC 8785 bytes of the certificate's JSON form (with its hash)."""
+    return canonical_bytes(cert.to_dict())
+
+
+def cert_from_json(data: bytes | str) -> EffectCert:
+    """The certificate back from :func:`cert_to_json`; its hash is kept as stored."""
+    return EffectCert.from_dict(json_loads(data.encode() if isinstance(data, str) else data))
+
+
+def encode_deadline(t: float) -> float:
+    return NEVER if t == math.inf else t
+
+
+def decode_deadline(t: float) -> float:
+    return math.inf if t >= NEVER else float(t)
+
+
+def record_to_row(rec: IntentRecord) -> tuple[Any, ...]:
+    """The record as a tuple in :data:`RECORD_FIELDS` order, JSON- and SQL-safe."""
+    return (
+        rec.intent,
+        rec.state.value,
+        rec.token,
+        rec.fingerprint,
+        rec.domain,
+        rec.agent,
+        encode_deadline(rec.lease_until),
+        None if rec.cert is None else cert_to_json(rec.cert),
+        encode_deadline(rec.until),
+        rec.reason,
+        rec.since,
+        rec.seq,
+        encode_deadline(rec.reclaim_at),
+    )
+
+
+def record_from_row(row: Any) -> IntentRecord:
+    """A record from a row in :data:`RECORD_FIELDS` order (a tuple, or a mapping by name)."""
+    if isinstance(row, dict):
+        row = tuple(row[f] for f in RECORD_FIELDS)
+    (intent, state, token, fp, domain, agent, lease_until, cert, until, reason, since, seq,
+     reclaim_at) = row  # fmt: skip
+    return IntentRecord(
+        intent,
+        _STATES[state],
+        int(token),
+        bytes(fp),
+        domain,
+        agent,
+        decode_deadline(float(lease_until)),
+        None
+        if cert is None
+        else cert_from_json(bytes(cert) if not isinstance(cert, str) else cert),
+        decode_deadline(float(until)),
+        reason or "",
+        float(since),
+        int(seq),
+        decode_deadline(float(reclaim_at)),
+    )
