@@ -160,14 +160,15 @@ def _fast_snapshot(value: object, max_depth: int, max_bytes: int) -> object:
 
 def _walk(node: Any, depth: int, state: dict[int, Any]) -> object:
     """``_fast_snapshot`` of one exact dict or list. ``state[0]`` is the room left under
-    max_bytes; ``state[id(c)]`` is ``(c, copy, output size)`` for each container ``c``
-    copied so far (``c`` kept alive so that its id cannot be reused meanwhile).
+    max_bytes; ``state[id(c)]`` is ``(c, copy, output size, depth)`` for each container
+    ``c`` copied so far (``c`` kept alive so that its id cannot be reused meanwhile),
+    reused where ``c`` occurs again with at least the depth budget it was copied with.
 
     The scalar rules are written out in both loops (and in ``_fast_root``): this is the
     hot path of every pure-Python prepare, and a call per value would double its cost.
     """
     seen = state.get(id(node))
-    if seen is not None:
+    if seen is not None and seen[3] <= depth:
         room = state[0] - seen[2]
         state[0] = room
         if room < 0:
@@ -225,7 +226,7 @@ def _walk(node: Any, depth: int, state: dict[int, Any]) -> object:
     state[0] = room
     if room < 0:
         raise _Over
-    state[id(node)] = (node, out, start - room)
+    state[id(node)] = (node, out, start - room, depth + 1)
     return out
 
 
@@ -414,13 +415,20 @@ def _plain_key(k: object) -> str:
     raise _Fail(f"object key {shown} is not a string")
 
 
-def _exact(value: object, depth: int, out: list[str], room: int) -> int:
+_Written = dict[int, tuple[object, int, int, int, int]]
+
+
+def _exact(value: object, depth: int, out: list[str], room: int, written: _Written) -> int:
     """Append the canonical text of ``value`` to ``out`` (recursive, reference path).
 
     ``room`` is how many more characters ``max_bytes`` allows (a character is at least one
     UTF-8 byte, so this undercounts, never overcounts); the room left is returned, and the
-    walk stops with ``CanonicalError`` as soon as it runs out. Each container is read once
+    walk stops with ``_Over`` as soon as it runs out. Each container is read once
     (:func:`_elements`, :func:`_members`) and each value validated as it is written.
+    ``written[id(c)]`` is ``(c, depth, start, end, chars)``: container ``c``'s text is
+    ``out[start:end]``. Where ``c`` occurs again (shared, and with at least that depth
+    budget) those pieces are repeated rather than walked again: the output is still
+    counted in full, but the work is bounded by the input.
     """
     t = type(value)
     fmt = _SCALAR_TEXT.get(t)
@@ -428,70 +436,86 @@ def _exact(value: object, depth: int, out: list[str], room: int) -> int:
         text = fmt(value)
         out.append(text)
         return room - len(text)
+    if not issubclass(t, (dict, list, tuple)):
+        text = _scalar(value)
+        out.append(text)
+        return room - len(text)
+    again = written.get(id(value))
+    if again is not None and again[1] <= depth:
+        room -= again[4]
+        if room < 0:
+            raise _Over
+        out += out[again[2] : again[3]]
+        return room
+    if depth <= 0:
+        raise _Fail("nesting is deeper than max_depth", value)
+    start = len(out)
+    before = room
     if issubclass(t, dict):
-        if depth <= 0:
-            raise _Fail("nesting is deeper than max_depth", value)
-        members = _members(value)
-        if not members:
-            out.append("{}")
-            return room - 2
-        depth -= 1
-        sep = "{"
-        for k, v in _sorted_items(members):
-            key = _encode_str(k)
-            out.append(sep)
-            out.append(key)
-            out.append(":")
-            room -= len(key) + 2
-            try:
-                fmt = _SCALAR_TEXT.get(type(v))
-                if fmt is not None:
-                    text = fmt(v)
-                    out.append(text)
-                    room -= len(text)
-                else:
-                    room = _exact(v, depth, out, room)
-            except _Fail as fail:
-                fail.segments.append(k)
-                fail.containers.append(value)
-                raise
-            if room < 0:
-                raise _Over
-            sep = ","
-        out.append("}")
-        return room - 1
-    if issubclass(t, (list, tuple)):
-        if depth <= 0:
-            raise _Fail("nesting is deeper than max_depth", value)
-        elements = _elements(value)
-        if not elements:
-            out.append("[]")
-            return room - 2
-        depth -= 1
-        sep = "["
-        for i, v in enumerate(elements):
-            out.append(sep)
-            room -= 1
-            try:
-                fmt = _SCALAR_TEXT.get(type(v))
-                if fmt is not None:
-                    text = fmt(v)
-                    out.append(text)
-                    room -= len(text)
-                else:
-                    room = _exact(v, depth, out, room)
-            except _Fail as fail:
-                fail.segments.append(i)
-                fail.containers.append(value)
-                raise
-            if room < 0:
-                raise _Over
-            sep = ","
-        out.append("]")
-        return room - 1
-    text = _scalar(value)
-    out.append(text)
-    return room - len(text)
+        room = _exact_members(value, depth - 1, out, room, written)
+    else:
+        room = _exact_elements(value, depth - 1, out, room, written)
+    written[id(value)] = (value, depth, start, len(out), before - room)
+    return room
+
+
+def _exact_members(value: object, depth: int, out: list[str], room: int, w: _Written) -> int:
+    members = _members(value)
+    if not members:
+        out.append("{}")
+        return room - 2
+    sep = "{"
+    for k, v in _sorted_items(members):
+        key = _encode_str(k)
+        out.append(sep)
+        out.append(key)
+        out.append(":")
+        room -= len(key) + 2
+        try:
+            fmt = _SCALAR_TEXT.get(type(v))
+            if fmt is not None:
+                text = fmt(v)
+                out.append(text)
+                room -= len(text)
+            else:
+                room = _exact(v, depth, out, room, w)
+        except _Fail as fail:
+            fail.segments.append(k)
+            fail.containers.append(value)
+            raise
+        if room < 0:
+            raise _Over
+        sep = ","
+    out.append("}")
+    return room - 1
+
+
+def _exact_elements(value: object, depth: int, out: list[str], room: int, w: _Written) -> int:
+    elements = _elements(value)
+    if not elements:
+        out.append("[]")
+        return room - 2
+    sep = "["
+    for i, v in enumerate(elements):
+        out.append(sep)
+        room -= 1
+        try:
+            fmt = _SCALAR_TEXT.get(type(v))
+            if fmt is not None:
+                text = fmt(v)
+                out.append(text)
+                room -= len(text)
+            else:
+                room = _exact(v, depth, out, room, w)
+        except _Fail as fail:
+            fail.segments.append(i)
+            fail.containers.append(value)
+            raise
+        if room < 0:
+            raise _Over
+        sep = ","
+    out.append("]")
+    return room - 1
 
 
 _first: Final = operator.itemgetter(0)
@@ -567,7 +591,7 @@ def _exact_text(value: object, max_depth: int, max_bytes: int = _UNLIMITED) -> s
     """The reference serializer (also the test oracle for the fast path)."""
     out: list[str] = []
     try:
-        room = _exact(value, max_depth, out, max_bytes)
+        room = _exact(value, max_depth, out, max_bytes, {})
     except _Fail as fail:
         raise _to_error(fail) from None
     except _Over:

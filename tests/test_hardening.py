@@ -1,4 +1,4 @@
-"""Regressions for issue #10 (an adversarial soak of the public API), items 2-5.
+"""Regressions for issue #10 (an adversarial soak of the public API), items 2-7.
 
 Each test names its item. Every one runs in both builds: CI runs this file compiled
 (EFFECTFENCE_COUNTERS=atomic) and pure (EFFECTFENCE_COUNTERS=pure, the C speedups off too).
@@ -6,8 +6,11 @@ Each test names its item. Every one runs in both builds: CI runs this file compi
 
 from __future__ import annotations
 
+import copy
 import gc
+import itertools
 import math
+import pickle
 import threading
 import time
 import tracemalloc
@@ -25,8 +28,11 @@ from effectfence import (
     EffectRequest,
     FenceConfig,
     InvalidRequest,
+    ReadSetStale,
     Refusal,
+    VectorClock,
     canonical,
+    verify_chain,
 )
 from effectfence.canonical import CanonicalError, canonical_bytes, fast_bytes
 from effectfence.model import PreparedEffect
@@ -48,6 +54,13 @@ def nested_pairs(levels: int) -> list[Any]:
     v: list[Any] = []
     for _ in range(levels):
         v = [v, v]
+    return v
+
+
+def _tuple_pairs(levels: int, leaf: Any) -> Any:
+    v = leaf
+    for _ in range(levels):
+        v = (v, v)
     return v
 
 
@@ -160,8 +173,9 @@ def test_item3_shared_sublists_are_refused_after_bounded_work() -> None:
         [nested_pairs(26), 1.0],  # an integral float: the exact path (pure) takes it
         [("x" * 1000,) * 100] * 10_000,  # shared tuples of long strings (exact path)
         {"k": ["y" * 100_000] * 10_000},  # one string, referenced many times
+        _tuple_pairs(26, 1.0),  # tuples and integral floats: the exact path everywhere
     ],
-    ids=["pairs", "pairs-exact", "tuples", "strings"],
+    ids=["pairs", "pairs-exact", "tuples", "strings", "tuple-pairs"],
 )
 @pytest.mark.parametrize("python_only", [False, True])
 def test_item3_canonical_bytes_stops_at_max_bytes(
@@ -192,6 +206,21 @@ def test_item3_the_limit_is_exact(python_only: bool, monkeypatch: pytest.MonkeyP
         if fast is not None:
             with pytest.raises(CanonicalError, match="max_bytes"):
                 fast_bytes(value, 8, max_bytes=size - 1)
+
+
+@pytest.mark.parametrize("python_only", [False, True])
+def test_item3_a_shared_container_is_held_to_max_depth_wherever_it_occurs(
+    python_only: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Work on shared containers is done once; the depth limit still holds at each place."""
+    if python_only:
+        monkeypatch.setattr(canonical, "_c_canonical", None)
+    for leaf in ([1], (1.0,)):  # the fast path's walk, the exact path's
+        shared = [[[leaf]]]
+        assert canonical_bytes([shared, [shared]], max_depth=6)
+        with pytest.raises(CanonicalError, match="deeper than max_depth") as info:
+            canonical_bytes([shared, [[shared]]], max_depth=6)
+        assert info.value.path.startswith("[1][0][0]")
 
 
 # -- item 4: args changed by another thread while prepare reads them ----------------------------
@@ -502,3 +531,159 @@ def test_item5_subclasses_are_read_through_their_base_type() -> None:
 def test_item5_two_keys_that_are_one_string_are_refused() -> None:
     with pytest.raises(CanonicalError, match="occurs twice"):
         canonical_bytes({OddStr("k"): 1, OddStr("k"): 2})
+
+
+# -- item 6: every part of a certificate a caller can reach is immutable or a copy -------------
+
+
+def _immutable(part: object) -> bool:
+    if type(part) is tuple:
+        return all(_immutable(p) for p in part)
+    return part is None or type(part) in (str, int, bytes)
+
+
+def test_item6_a_certificate_holds_only_immutable_parts() -> None:
+    """Its vector clock was a live dict: mutating it changed every later replay, verify()
+    then failed for everyone (G3), and a cycle through it was never collected."""
+    fence = make_fence()
+    request = EffectRequest("c", "d", "t", {"n": 1}, "agent-a", known_clock={"b": 2})
+    cert = fence.commit(ticket_of(fence, request), {"ok": True})
+    assert _immutable(tuple(cert)), [type(p).__name__ for p in cert]
+    parts = [
+        cert,
+        copy.copy(cert),
+        copy.deepcopy(cert),
+        pickle.loads(pickle.dumps(cert)),
+        EffectCert.from_dict(cert.to_dict()),
+        EffectCert._trusted(*cert),
+    ]
+    for each in parts:
+        assert _immutable(tuple(each)), [type(p).__name__ for p in each]
+        assert each == cert and each.verify()
+    # what the properties hand out are copies
+    cert.vector_clock["agent-a"] = 99
+    cert.args["n"] = 2
+    cert.result["ok"] = False
+    replay = fence.prepare(request).cert
+    assert replay.vector_clock == {"b": 2, "agent-a": 1}
+    assert replay.args == {"n": 1} and replay.result == {"ok": True}
+    assert replay.hash == cert.hash and replay.verify()
+    # nothing the cyclic GC could find a cycle through: only its type and immutable values
+    assert all(_immutable(p) for p in gc.get_referents(cert) if p is not EffectCert)
+
+
+def test_item6_the_constructor_refuses_mutable_clock_and_read_set_entries() -> None:
+    fields = {
+        "intent": "i",
+        "parent": None,
+        "domain": "d",
+        "seq": 1,
+        "tool": "t",
+        "args": {},
+        "result": None,
+        "vector_clock": {"a": 1},
+        "read_set": [("e", 2)],
+        "agent": "a",
+    }
+    cert = EffectCert(**fields)
+    assert _immutable(tuple(cert)) and cert.verify()
+    assert EffectCert(**{**fields, "vector_clock": (("a", 1),)}) == cert
+    for bad in (
+        {"vector_clock": {"a": [1]}},
+        {"vector_clock": {"a": 1.0}},
+        {"read_set": [("e", [2])]},
+        {"read_set": [(["e"], 2)]},
+    ):
+        with pytest.raises(InvalidRequest):
+            EffectCert(**{**fields, **bad})
+
+
+# -- item 7: chains and clocks of overlapping attempts --------------------------------------------
+
+
+def test_item7_overlapping_attempts_make_a_dag_that_verifies_and_reports_them() -> None:
+    """Two attempts admitted before either committed share a parent: verify_chain said
+    "certificate 1 does not follow certificate 0", i.e. tampering, for what the fence did."""
+    fence = make_fence()
+    first = fence.commit(ticket_of(fence, EffectRequest("p", "d", "t", {}, "a")), 0)
+    x = ticket_of(fence, EffectRequest("x", "d", "t", {}, "a"))
+    y = ticket_of(fence, EffectRequest("y", "d", "t", {}, "b"))
+    assert x.vector_clock.concurrent(y.vector_clock)  # true to what happened
+    cy = fence.commit(y, 2)  # commits in the other order than they were admitted
+    cx = fence.commit(x, 1)
+    assert cx.parent == cy.parent == first.hash
+    after = fence.commit(ticket_of(fence, EffectRequest("z", "d", "t", {}, "c")), 3)
+    assert VectorClock(cx.vector_clock).lt(after.vector_clock)
+    assert VectorClock(cy.vector_clock).lt(after.vector_clock)
+    chain = [first, cx, cy, after]  # seq order
+    assert [c.seq for c in chain] == sorted(c.seq for c in chain)
+    report = verify_chain(chain)
+    assert report.ok and report.broken_at is None and report.reason == ""
+    assert report.concurrent == ((1, 2),)
+    assert verify_chain(chain[1:]).ok  # a segment: its root is its first certificate's parent
+    assert verify_chain(chain, root=None).ok
+    assert not verify_chain(chain[1:], root=None).ok  # a root that is not the head it saw
+
+
+def test_item7_one_agent_running_two_attempts_at_once_is_reported_concurrent() -> None:
+    fence = make_fence()
+    x = ticket_of(fence, EffectRequest("x", "d", "t", {}, "a"))
+    y = ticket_of(fence, EffectRequest("y", "d", "t", {}, "a"))
+    assert x.vector_clock == y.vector_clock  # one counter, two attempts
+    report = verify_chain([fence.commit(x, 1), fence.commit(y, 2)])
+    assert report.ok and report.concurrent == ((0, 1),)
+
+
+def test_item7_sequential_attempts_form_a_line_with_or_without_expected_seq() -> None:
+    fence = make_fence()
+    certs: list[EffectCert] = []
+    for i, agent in enumerate("abab"):
+        expected = certs[-1].seq if certs and i % 2 else None
+        request = EffectRequest(f"s{i}", "d", "t", {}, agent, expected_seq=expected)
+        certs.append(fence.commit(ticket_of(fence, request), i))
+    assert all(b.parent == a.hash for a, b in itertools.pairwise(certs))
+    report = verify_chain(certs)
+    assert report.ok and report.concurrent == ()
+
+
+def test_item7_under_expected_seq_overlap_certifies_at_most_the_later_attempt() -> None:
+    """current() counts admissions, so a strict attempt can be admitted at the seq after one
+    still in flight; that one's commit is then refused, and the certificates stay a line."""
+    fence = make_fence()
+    first = fence.commit(ticket_of(fence, EffectRequest("p", "d", "t", {}, "a")), 0)
+    x = ticket_of(fence, EffectRequest("x", "d", "t", {}, "a", expected_seq=fence.current("d")))
+    y = ticket_of(fence, EffectRequest("y", "d", "t", {}, "b", expected_seq=fence.current("d")))
+    with pytest.raises(ReadSetStale):
+        fence.commit(x, 1)
+    cy = fence.commit(y, 2)
+    report = verify_chain([first, cy])
+    assert report.ok and report.concurrent == () and cy.parent == first.hash
+    # a strict attempt overlapping a non-strict one: both certified, reported concurrent
+    z = ticket_of(fence, EffectRequest("z", "d", "t", {}, "a"))
+    w = ticket_of(fence, EffectRequest("w", "d", "t", {}, "b", expected_seq=fence.current("d")))
+    report = verify_chain([first, cy, fence.commit(z, 3), fence.commit(w, 4)])
+    assert report.ok and report.concurrent == ((2, 3),)
+
+
+def test_item7_edited_certificates_and_broken_links_still_fail() -> None:
+    fence = make_fence()
+    first = fence.commit(ticket_of(fence, EffectRequest("p", "d", "t", {}, "a")), 0)
+    x = ticket_of(fence, EffectRequest("x", "d", "t", {}, "a"))
+    y = ticket_of(fence, EffectRequest("y", "d", "t", {}, "b"))
+    cx, cy = fence.commit(x, 1), fence.commit(y, 2)
+    last = fence.commit(ticket_of(fence, EffectRequest("z", "d", "t", {}, "c")), 3)
+    good = [first, cx, cy, last]
+    assert verify_chain(good).ok
+
+    edited = EffectCert.from_dict({**cy.to_dict(), "result": 999})
+    report = verify_chain([first, cx, edited, last])
+    assert not report.ok and report.broken_at == 2 and "does not verify" in report.reason
+
+    fence.commit(ticket_of(fence, EffectRequest("o1", "other", "t", {}, "a")), 0)
+    stranger = fence.commit(ticket_of(fence, EffectRequest("o2", "other", "t", {}, "a")), 0)
+    fields = {k: v for k, v in last.to_dict().items() if k not in ("format", "hash")}
+    relinked = EffectCert(**{**fields, "parent": "0" * 64})  # re-hashed: it verifies
+    for bad, at in (([first, cx, relinked], 2), ([first, cx, stranger], 2), ([cx, last], 1)):
+        report = verify_chain(bad)
+        assert not report.ok and report.broken_at == at, (report, at)
+        assert "follows no earlier certificate" in report.reason
