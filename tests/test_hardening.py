@@ -267,11 +267,11 @@ def test_item4_any_failure_while_reading_is_a_counted_refusal(
 ) -> None:
     """A key added or removed mid-prepare escaped as RuntimeError: not a refusal, not counted."""
 
-    def resized(node: object) -> list[tuple[Any, Any]]:
+    def resized(members: object) -> list[tuple[Any, Any]]:
         raise RuntimeError("dictionary changed size during iteration")
 
     monkeypatch.setattr(canonical, "_c_canonical", None)
-    monkeypatch.setattr(canonical, "_members", resized)
+    monkeypatch.setattr(canonical, "_sorted_items", resized)  # where the exact path reads
     fence = make_fence()
     with pytest.raises(InvalidRequest, match="RuntimeError"):
         fence.prepare(EffectRequest("r", "d", "t", {"a": 1.0}))  # 1.0: the exact path
@@ -288,6 +288,10 @@ VALID_BYTES = {canonical_bytes(s) for s in STATES}
 def _mutations(args: dict[str, Any], ops: list[int]) -> Iterator[None]:
     """Cycle through states of ``args``: some valid (STATES), some not (NaN, Infinity)."""
     while True:
+        args["a"] = math.nan
+        yield
+        args["a"] = 1.5
+        yield
         for op in ops:
             if op == 0:
                 args["a"] = math.nan
@@ -327,7 +331,7 @@ def test_item4_mutated_from_another_thread_admitted_with_what_it_saw_or_refused(
         mutator.start()
         barrier.wait()
         try:
-            for i in range(300):
+            for i in range(1000):
                 try:
                     admission = fence.prepare(EffectRequest(f"i{i}", "d", "t", args))
                 except Refusal as refusal:
