@@ -5,10 +5,12 @@
  * Two things live here, and neither holds a rule of the protocol (those are written once,
  * in effectfence/protocol.py and effectfence/fence.py; see docs/design.md):
  *
- * 1. canonical(value, max_depth): RFC 8785 (JCS) bytes for exact dict/list/tuple/str/int/
- *    float/bool/None, or None when it cannot be sure (subclasses, unsafe ints, NaN, lone
- *    surrogates, depth).  None means "ask the Python encoder", which is the reference and
- *    the one that names what is wrong.  It never raises except MemoryError.
+ * 1. canonical(value, max_depth, max_bytes=-1): RFC 8785 (JCS) bytes for exact dict/list/
+ *    tuple/str/int/float/bool/None, or None when it cannot be sure (subclasses, unsafe ints,
+ *    NaN, lone surrogates, depth).  None means "ask the Python encoder", which is the
+ *    reference and the one that names what is wrong.  False means "longer than max_bytes":
+ *    the buffer never grows past the limit, so shared sub-lists that expand to hundreds of
+ *    megabytes cost max_bytes of work.  It never raises except MemoryError.
  *
  * 2. RequestInit: EffectRequest.__init__ for the plain positional call every duplicate
  *    makes (a pure constructor: it stores already-valid names and hands every other call,
@@ -35,7 +37,7 @@
 #error "effectfence._speedups needs the GIL; the free-threaded build uses the Python paths"
 #endif
 
-#define EF_SPEEDUPS_ABI 2
+#define EF_SPEEDUPS_ABI 3 /* 3: canonical() takes max_bytes */
 #define MAX_SAFE_INTEGER 9007199254740991LL /* 2**53 - 1 */
 /* Deeper input goes to the Python encoder: C recursion stays under ~25 KiB of stack even on
  * a 128 KiB thread stack (musl's default, or threading.stack_size). */
@@ -43,17 +45,28 @@
 
 /* ------------------------------------------------------------------------------ buffer */
 
+/* cap <= limit always, so the one capacity test of buf_put/buf_byte also enforces the limit:
+ * only buf_grow compares against it.  Passing the limit sets `over` and fails with no
+ * Python exception set (the callers' ENC_ERR; canonical_or_none tells the two apart). */
 typedef struct {
     char *p;
     Py_ssize_t len;
     Py_ssize_t cap;
+    Py_ssize_t limit;
+    int over;
     char stack[1024];
 } Buf;
 
-static void buf_init(Buf *b) {
+static void buf_init_limit(Buf *b, Py_ssize_t limit) {
     b->p = b->stack;
     b->len = 0;
-    b->cap = (Py_ssize_t)sizeof(b->stack);
+    b->limit = limit < 0 ? 0 : limit;
+    b->cap = (Py_ssize_t)sizeof(b->stack) < b->limit ? (Py_ssize_t)sizeof(b->stack) : b->limit;
+    b->over = 0;
+}
+
+static void buf_init(Buf *b) {
+    buf_init_limit(b, PY_SSIZE_T_MAX);
 }
 
 static void buf_free(Buf *b) {
@@ -64,13 +77,24 @@ static void buf_free(Buf *b) {
 }
 
 static int buf_grow(Buf *b, Py_ssize_t need) {
-    Py_ssize_t cap = b->cap;
+    if (need > b->limit - b->len) {
+        b->over = 1; /* no exception: the caller reports "over max_bytes" */
+        return -1;
+    }
+    Py_ssize_t cap = b->cap < 64 ? 64 : b->cap;
     while (cap - b->len < need) {
         if (cap > PY_SSIZE_T_MAX / 2) {
             PyErr_NoMemory();
             return -1;
         }
         cap *= 2;
+    }
+    if (cap > b->limit) {
+        cap = b->limit; /* >= len + need, checked above */
+    }
+    if (cap <= (Py_ssize_t)sizeof(b->stack)) {
+        b->cap = cap; /* still fits the stack buffer (a limit below its size) */
+        return 0;
     }
     char *q;
     if (b->p == b->stack) {
@@ -473,7 +497,10 @@ static int enc_value(Buf *b, PyObject *o, int depth) {
         return enc_dict(b, o, depth);
     }
     if (PyList_CheckExact(o)) {
-        /* encoding runs no Python code, so the list cannot change under the loop */
+        /* One read of every container: encoding runs no Python code (only exact types are
+         * handled, with calls that never call back, and the GIL is held throughout), so no
+         * thread can change a list or dict while it is read here.  A dict's members are
+         * collected in one PyDict_Next pass; a size that disagrees falls back. */
         return enc_array(b, ((PyListObject *)o)->ob_item, PyList_GET_SIZE(o), depth);
     }
     if (PyTuple_CheckExact(o)) {
@@ -482,24 +509,30 @@ static int enc_value(Buf *b, PyObject *o, int depth) {
     return ENC_FALLBACK; /* subclasses, bytes, sets, objects: the Python path decides */
 }
 
-/* bytes, Py_None (not sure), or NULL with an exception. */
-static PyObject *canonical_or_none(PyObject *value, int max_depth) {
+/* bytes, Py_None (not sure), Py_False (longer than max_bytes), or NULL with an exception.
+ * Over the limit is decisive: what was written is a prefix of the canonical form, so the
+ * whole is longer still (or the value is refused anyway, for what made us unsure). */
+static PyObject *canonical_or_none(PyObject *value, int max_depth, Py_ssize_t max_bytes) {
     Buf b;
-    buf_init(&b);
+    buf_init_limit(&b, max_bytes);
     int rc = enc_value(&b, value, max_depth > DEPTH_CAP ? DEPTH_CAP : max_depth);
     if (rc == ENC_OK) {
         return buf_bytes(&b);
     }
     buf_free(&b);
     if (rc == ENC_ERR) {
+        if (b.over && !PyErr_Occurred()) {
+            Py_RETURN_FALSE;
+        }
         return NULL;
     }
     Py_RETURN_NONE;
 }
 
 static PyObject *py_canonical(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "canonical(value, max_depth) takes 2 arguments");
+    if (nargs != 2 && nargs != 3) {
+        PyErr_SetString(PyExc_TypeError,
+                        "canonical(value, max_depth, max_bytes=-1) takes 2 or 3 arguments");
         return NULL;
     }
     int overflow = 0;
@@ -513,14 +546,28 @@ static PyObject *py_canonical(PyObject *module, PyObject *const *args, Py_ssize_
     if (overflow < 0 || depth < 0) {
         depth = 0;
     }
-    return canonical_or_none(args[0], (int)depth);
+    Py_ssize_t max_bytes = PY_SSIZE_T_MAX; /* negative or absent: no limit */
+    if (nargs == 3) {
+        Py_ssize_t n = PyLong_AsSsize_t(args[2]);
+        if (n == -1 && PyErr_Occurred()) {
+            if (!PyErr_ExceptionMatches(PyExc_OverflowError)) {
+                return NULL;
+            }
+            PyErr_Clear();
+            n = PY_SSIZE_T_MAX; /* beyond ssize_t: no output is that long */
+        } else if (n < 0) {
+            n = PY_SSIZE_T_MAX;
+        }
+        max_bytes = n;
+    }
+    return canonical_or_none(args[0], (int)depth, max_bytes);
 }
 
 static PyObject *py_string(PyObject *module, PyObject *arg) {
     if (!PyUnicode_CheckExact(arg)) {
         Py_RETURN_NONE;
     }
-    return canonical_or_none(arg, 0); /* a str needs no container budget */
+    return canonical_or_none(arg, 0, PY_SSIZE_T_MAX); /* no container budget, no limit */
 }
 
 /* ---------------------------------------------------------------------- slotted objects */

@@ -18,7 +18,7 @@ from effectfence.counters import ENV_VAR, CounterBackendUnavailable
 __all__ = ["EXPECTED_ABI", "import_error", "speedups"]
 
 #: The ABI of csrc/effectfence_speedups.c this package was written against.
-EXPECTED_ABI: Final = 2
+EXPECTED_ABI: Final = 3
 
 speedups: Any = None
 import_error: str | None = None

@@ -5,6 +5,13 @@ the ten fields plus ``format``. Anyone holding a certificate can recompute it; a
 to any field changes it (G10). ``parent`` chains a certificate to the one it was built on,
 so a list of certificates can be checked as a whole by :func:`verify_chain`.
 
+A domain's certificates form a line when each attempt was admitted after the one before it
+committed, and a DAG where attempts overlapped: two attempts admitted before either
+committed both name the head they saw as their parent, and their clocks are concurrent
+(neither saw the other; see :mod:`effectfence.clock`). :func:`verify_chain` accepts both
+shapes and reports the overlaps; it fails an edited certificate or a parent that names no
+earlier certificate of the chain.
+
 The format is frozen by ``tests/vectors/certs.json``: change a byte of the encoding and
 those vectors fail.
 """
@@ -14,7 +21,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from effectfence.canonical import (
     CanonicalError,
@@ -52,7 +59,7 @@ def cert_body(
     tool: str,
     args: Any,
     result: Any,
-    vector_clock: Mapping[str, int],
+    vector_clock: Mapping[str, int] | Iterable[tuple[str, int]],
     read_set: Sequence[tuple[str, int]],
     agent: str,
 ) -> dict[str, Any]:
@@ -139,12 +146,27 @@ def spliced_hash(
     return hashlib.sha256(body).hexdigest()
 
 
+ClockItems = tuple[tuple[str, int], ...]
+
+
+def _frozen_clock(vector_clock: Mapping[str, int] | tuple[tuple[str, int], ...]) -> ClockItems:
+    """The clock as a tuple of ``(agent, counter)`` pairs: immutable, and (holding only str
+    and int) never part of a reference cycle."""
+    if type(vector_clock) is dict:
+        return tuple(vector_clock.items())
+    if type(vector_clock) is tuple and all(type(pair) is tuple for pair in vector_clock):
+        return vector_clock
+    return tuple(dict(vector_clock).items())
+
+
 class EffectCert(tuple[Any, ...]):
     """Proof that one effect ran, what it was built on, and what it returned.
 
-    Immutable all the way down: a tuple holding ``args`` and ``result`` as their RFC 8785
-    bytes (the very bytes the hash covers) and handing out a fresh decoded copy on every
-    access, so no caller can change a certificate that the fence replays to others (G3).
+    Immutable all the way down: a tuple of str, int, bytes, None and tuples of those.
+    ``args`` and ``result`` are kept as their RFC 8785 bytes (the very bytes the hash
+    covers) and the vector clock as ``(agent, counter)`` pairs; every access hands out a
+    fresh decoded copy. So no caller, whether through a property, indexing, iteration,
+    ``copy`` or pickling, can change a certificate that the fence replays to others (G3).
     """
 
     __slots__ = ()
@@ -165,7 +187,11 @@ class EffectCert(tuple[Any, ...]):
         hash: str | None = None,
     ) -> EffectCert:
         rs = tuple((d, s) for d, s in read_set)
-        vc = dict(vector_clock)
+        vc = _frozen_clock(vector_clock)
+        if not all(type(a) is str and type(n) is int for a, n in vc):
+            raise InvalidRequest("certificate field 'vector_clock' must map agents to integers")
+        if not all(type(d) is str and type(s) is int for d, s in rs):
+            raise InvalidRequest("certificate field 'read_set' must be a list of [domain, seq]")
         try:
             args_json = canonical_bytes(args)
             result_json = canonical_bytes(result)
@@ -190,12 +216,13 @@ class EffectCert(tuple[Any, ...]):
         tool: str,
         args_json: bytes,
         result_json: bytes,
-        vector_clock: dict[str, int],
+        vector_clock: Mapping[str, int] | ClockItems,
         read_set: tuple[tuple[str, int], ...],
         agent: str,
         hash: str,
     ) -> EffectCert:
-        """Assemble from canonical parts the fence already validated and hashed."""
+        """Assemble from canonical parts the fence already validated and hashed (the clock
+        as a dict, or as the pairs a certificate keeps: pickling hands those back)."""
         return tuple.__new__(
             cls,
             (
@@ -206,7 +233,7 @@ class EffectCert(tuple[Any, ...]):
                 tool,
                 args_json,
                 result_json,
-                vector_clock,
+                _frozen_clock(vector_clock),
                 read_set,
                 agent,
                 hash,
@@ -380,24 +407,71 @@ def _expect(data: Mapping[str, Any], field: str, typ: type) -> None:
 
 @dataclass(frozen=True, slots=True)
 class ChainReport:
-    """What :func:`verify_chain` found; ``broken_at`` is the first bad index."""
+    """What :func:`verify_chain` found; ``broken_at`` is the first bad index.
+
+    ``concurrent`` lists the pairs ``(i, j)``, ``i < j``, of certificates whose attempts
+    overlapped: ``j`` was admitted before ``i`` committed, so neither saw the other (``j``'s
+    clock does not follow ``i``'s). That is what happened, not damage: it never makes a
+    chain fail.
+    """
 
     ok: bool
     length: int
     broken_at: int | None = None
     reason: str = ""
+    concurrent: tuple[tuple[int, int], ...] = ()
 
     def __bool__(self) -> bool:
         return self.ok
 
 
-def verify_chain(certs: Sequence[EffectCert]) -> ChainReport:
-    """Every certificate verifies and each one's parent is the hash of the one before."""
-    for i, cert in enumerate(certs):
+_FIRST_PARENT: Final[Any] = object()
+
+
+def _happened_before(a: Mapping[str, int], b: Mapping[str, int]) -> bool:
+    """``a < b`` in the causal order of vector clocks (a missing agent is at 0)."""
+    return all(n <= b.get(agent, 0) for agent, n in a.items()) and any(
+        n > a.get(agent, 0) for agent, n in b.items()
+    )
+
+
+def verify_chain(certs: Sequence[EffectCert], *, root: str | None = _FIRST_PARENT) -> ChainReport:
+    """Check a domain's certificates, in seq order (the order the fence admitted them).
+
+    Fails (``ok`` False, ``broken_at`` the first bad index) when a certificate does not
+    verify (an edited field or hash), or when its parent is neither ``root`` (the head the
+    chain starts from; by default the first certificate's parent) nor the hash of an
+    earlier certificate of the chain (a broken or forged link).
+
+    Passes for a line and for the DAG that overlapping attempts make (several certificates
+    naming one parent), and reports each overlap in ``concurrent``. An effect committed
+    before another was admitted is in that one's past: its clock is behind, and once a
+    certificate has seen an effect, every later one has too. So only the certificates that
+    some later certificate has not yet seen are compared, and a line costs one comparison
+    per certificate.
+    """
+    n = len(certs)
+    if not n:
+        return ChainReport(True, 0)
+    known: set[str | None] = {certs[0].parent if root is _FIRST_PARENT else root}
+    clocks: list[dict[str, int]] = []
+    unseen: list[int] = []  # earlier certificates that not every later one has seen
+    concurrent: list[tuple[int, int]] = []
+    for j, cert in enumerate(certs):
         if not cert.verify():
-            return ChainReport(False, len(certs), i, f"certificate {i} does not verify")
-        if i and cert.parent != certs[i - 1].hash:
+            return ChainReport(False, n, j, f"certificate {j} does not verify")
+        if cert.parent not in known:
             return ChainReport(
-                False, len(certs), i, f"certificate {i} does not follow certificate {i - 1}"
+                False, n, j, f"certificate {j} follows no earlier certificate of the chain"
             )
-    return ChainReport(True, len(certs))
+        known.add(cert.hash)
+        clock = cert.vector_clock
+        clocks.append(clock)
+        still: list[int] = []
+        for i in unseen:
+            if not _happened_before(clocks[i], clock):
+                concurrent.append((i, j))
+                still.append(i)
+        still.append(j)
+        unseen = still
+    return ChainReport(True, n, concurrent=tuple(concurrent))

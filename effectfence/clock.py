@@ -1,9 +1,28 @@
 """Vector clocks: which effects could have known about which.
 
-A ticket's clock is the caller's ``known_clock`` merged with the clock of the last effect
-committed on the same domain, ticked at the agent. Effects on one domain are therefore
-totally ordered by ``le``; ``concurrent`` is only true across domains (or for callers that
-withheld what they knew), which is exactly what an auditor wants to see.
+A ticket's clock is the caller's ``known_clock`` merged with the domain's head clock (the
+merge of every effect committed on the domain so far), ticked at the agent. So on one
+domain:
+
+- **Causally ordered**: an effect committed before another attempt was *admitted*
+  (prepared) is in that attempt's past: its clock is ``lt`` the later one's, and the later
+  certificate's ``parent`` is that effect or one committed after it (unless its caller
+  named a ``parent`` of its own). Attempts that never
+  overlap in time (one prepare after the previous commit, e.g. a caller that waits for
+  each certificate) therefore form a line, clocks and parents alike.
+- **Concurrent**: two attempts admitted before either committed did not see each other,
+  and their clocks say so (``concurrent``, or equal when one agent ran both at once: an
+  agent is one counter, not one sequential process). Both certificates name the same
+  head as ``parent``: the chain is a DAG there, and
+  :func:`effectfence.cert.verify_chain` reports the pair as concurrent, not as tampering.
+- **Strict (``expected_seq``)**: an attempt admitted at the seq after one still in flight
+  moves the domain under that one, whose commit is then refused ``read_set_stale``: of two
+  overlapping strict attempts at most the later is certified, so when every attempt on a
+  domain is strict its certificates form a line. A strict attempt overlapping a non-strict
+  one is concurrent with it like any other.
+
+Across domains, effects are ordered only through what callers pass as ``known_clock``; a
+caller that withholds what it knew makes its effect look concurrent with what it saw.
 
 Clocks are immutable: every operation returns a new clock, so a clock inside a certificate
 can never change under it. Zero entries are dropped, so equal clocks have one canonical form.

@@ -274,8 +274,9 @@ class EffectFence:
         it into the fingerprint it keeps (``FenceStore.fingerprint_of``)."""
         cfg = self.config
         try:
-            args_json = fast_bytes(args, cfg.max_depth) or canonical_bytes(
-                args, max_depth=cfg.max_depth
+            limit = cfg.max_args_bytes  # counted while encoding: bounded work for any args
+            args_json = fast_bytes(args, cfg.max_depth, max_bytes=limit) or canonical_bytes(
+                args, max_depth=cfg.max_depth, max_bytes=limit
             )
             if len(args_json) > cfg.max_args_bytes:
                 raise CanonicalError(

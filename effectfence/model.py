@@ -144,8 +144,16 @@ class EffectRequest:
         if type(args) is not dict:
             if args is None:
                 args = {}
+            elif isinstance(args, dict):
+                # the dict's own storage: a subclass's __iter__/keys/items never run
+                args = dict(dict.items(args))
             elif isinstance(args, Mapping):
-                args = dict(args)
+                try:
+                    args = dict(args)
+                except Exception as exc:  # a Mapping's own methods: anything can happen
+                    raise InvalidRequest(
+                        f"args could not be read as a mapping ({type(exc).__name__})"
+                    ) from exc
             else:
                 raise InvalidRequest(f"args must be a JSON object, got {type(args).__name__}")
         self.args = args

@@ -351,7 +351,7 @@ def test_fast_path_would_be_wrong_for_floats_and_non_ascii_keys(
     else:
         assert canonical_bytes(value) == expected == rfc8785.dumps(value)
     monkeypatch.setattr(canonical, "_c_canonical", None)  # the Python routing, not the C one
-    monkeypatch.setattr(canonical, "_fast_ok", lambda v, d: True)
+    monkeypatch.setattr(canonical, "_fast_snapshot", lambda v, d, b: v)  # "fast", uncopied
     monkeypatch.setattr(canonical, "_orjson", None)  # the stdlib encoder's mistakes
     if expected is None:
         assert canonical_bytes(value) == b'{"n":1152921504606846976}'  # silently accepted
