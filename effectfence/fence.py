@@ -212,6 +212,10 @@ class EffectFence:
         self._now = store.now
         self._get = store.get
         self._due = store.due
+        # a store that reads the record and its clock together (one round trip to a server)
+        # is observed with that one read; the memory store keeps its two attribute reads
+        self._read = store.read
+        self._one_read = type(store).read is not FenceStore.read
         # the memory store keeps the payload itself: skip a call that returns its argument
         self._fp_is_payload = type(store).fingerprint_of is MemoryStore.fingerprint_of
         self._auto = cfg.auto_sweep
@@ -321,7 +325,10 @@ class EffectFence:
         # A store that cannot answer refuses the attempt ``store_unavailable``: counted in
         # that bucket like any refusal, and raised before anything was decided.
         try:
-            now = self._now()
+            if self._one_read:
+                rec, now = self._read(intent)
+            else:
+                now = self._now()
             if self._auto:
                 if now >= self._sweep_due:
                     self._auto_sweep(now)
@@ -331,9 +338,13 @@ class EffectFence:
                 request.read_set, request.domain, request.expected_seq
             )
             for attempt in range(_MAX_MOVES):
-                if attempt:
-                    now = self._now()
-                rec = self._get(intent)
+                if self._one_read:
+                    if attempt:
+                        rec, now = self._read(intent)
+                else:
+                    if attempt:
+                        now = self._now()
+                    rec = self._get(intent)
                 row, action = decide_prepare(rec, now, fp)
                 if action is _REPLAY:
                     self._inc(self._slot_replayed)
