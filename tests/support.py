@@ -143,7 +143,7 @@ def drop_redis_prefix(prefix: str) -> None:
     import redis
 
     r = redis.Redis.from_url(REDIS_URL)
-    keys = list(r.scan_iter(match=prefix.replace("{", "[{]") + "*", count=1000))
+    keys = list(r.scan_iter(match="[{]" + prefix + "[}]:*", count=1000))
     if keys:
         r.delete(*keys)
     r.close()
@@ -335,3 +335,23 @@ def preemptive(interval: float = 1e-6) -> Iterator[None]:
         yield
     finally:
         sys.setswitchinterval(old)
+
+
+def _redis(clock: FakeClock) -> FenceStore:
+    need("redis")
+    from effectfence.store.redis import RedisStore
+
+    prefix = unique_name("redis")
+    store = RedisStore(REDIS_URL, prefix=prefix, clock=clock)
+    return _dropping(store, lambda: drop_redis_prefix(prefix))
+
+
+def _redis_reopen(store: FenceStore, clock: FakeClock) -> FenceStore:
+    from effectfence.store.redis import RedisStore
+
+    assert isinstance(store, RedisStore)
+    return RedisStore(REDIS_URL, prefix=store.prefix, clock=clock)
+
+
+STORES["redis"] = _redis
+REOPEN["redis"] = _redis_reopen

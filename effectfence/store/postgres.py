@@ -43,6 +43,7 @@ import json
 import math
 import re
 import secrets
+import select
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -617,6 +618,9 @@ class PostgresStore(FenceStore):
         broke while it ran. A deadlock or serialization abort applied nothing: run again."""
         for attempt in range(_MAX_RETRIES):
             with self._conn(op) as conn:
+                if _hung_up(conn) and attempt + 1 < _MAX_RETRIES:
+                    conn.close()  # the pool drops it; nothing was sent on it
+                    continue
                 try:
                     return self._execute(conn, query, params)
                 except psycopg.Error as exc:
@@ -1232,7 +1236,7 @@ class PostgresStore(FenceStore):
     def _listen(self, conn: psycopg.Connection[Any]) -> None:
         try:
             while not self._closed:
-                for note in conn.notifies(timeout=1.0):
+                for note in conn.notifies(timeout=0.25):
                     self._waiters.wake(note.payload)
         except psycopg.Error:
             pass  # the next waiter starts a new listener
@@ -1257,6 +1261,17 @@ class PostgresStore(FenceStore):
         listener = getattr(self, "_listener", None)
         if listener is not None:
             listener.join(timeout=2.0)
+
+
+def _hung_up(conn: psycopg.Connection[Any]) -> bool:
+    """An idle pooled connection with something to read was closed by the server (a
+    restart, ``pg_terminate_backend``): the server sent its FATAL and hung up. Checked before
+    a statement is sent (one poll, no round trip), so such a connection costs a reconnect,
+    not an ambiguous step."""
+    try:
+        return bool(select.select([conn.fileno()], [], [], 0)[0])
+    except (OSError, ValueError, psycopg.Error):
+        return True
 
 
 def _cert_of(params: Sequence[Any]) -> Any:
