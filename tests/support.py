@@ -291,6 +291,13 @@ class HookedStore(FenceStore):
         self._fire("clear")
         return self.inner.clear(intent)
 
+    def clear_if(self, intent: str, **kw: Any) -> Step:
+        self._fire("clear_if")
+        return self.inner.clear_if(intent, **kw)
+
+    def audit(self, **kw: Any) -> list[dict[str, Any]]:
+        return self.inner.audit(**kw)
+
     def current(self, domain: str) -> int:
         return self.inner.current(domain)
 

@@ -11,7 +11,8 @@ Design
 - Tables (in the store's schema, ``?schema=name``, default ``effectfence``): ``intents``
   (one row per record, codec columns), ``domains`` (seq and head per domain), ``fence``
   (one row: the eviction floor), ``certs`` (append-only audit trail, written by the same
-  statement as the commit), ``meta`` (schema version, store id, sealing key). Fencing tokens
+  statement as the commit), ``audit`` (operator clears, written by the clearing statement),
+  ``meta`` (schema version, store id, sealing key). Fencing tokens
   come from a sequence. Created on first use, under an advisory lock; versioned.
 - Locks, always in this order: the intent's row (``FOR UPDATE``), then domain rows in name
   order (the claim's read set ``FOR SHARE``, its own domain ``FOR NO KEY UPDATE``), then
@@ -46,7 +47,7 @@ import secrets
 import select
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -69,12 +70,20 @@ from effectfence.store.base import (
     Head,
     Step,
 )
-from effectfence.store.codec import NEVER, RECORD_FIELDS, cert_from_json, cert_to_json
+from effectfence.store.codec import (
+    NEVER,
+    RECORD_FIELDS,
+    cert_from_json,
+    cert_to_json,
+    entry_from_json,
+    entry_to_json,
+)
 
 __all__ = ["DEFAULT_SCHEMA", "SCHEMA_VERSION", "PostgresStore", "StoreSchemaError"]
 
-#: the schema this code writes; a schema with a newer version is refused, never half-read
-SCHEMA_VERSION = 1
+#: the schema this code writes; a schema with a newer version is refused, never half-read.
+#: 2: the ``audit`` table and ``clear_if`` (an older schema gains them when next opened)
+SCHEMA_VERSION = 2
 DEFAULT_SCHEMA = "effectfence"
 DEFAULT_POOL_MAX = 8
 #: seconds to wait for a pooled connection (or a new one) before reporting unavailable
@@ -134,6 +143,15 @@ CREATE TABLE IF NOT EXISTS {s}.certs (
     PRIMARY KEY (domain, seq)
 );
 CREATE INDEX IF NOT EXISTS certs_keep ON {s}.certs (keep_until) WHERE keep_until < 1e300;
+-- the operator's audit trail: who cleared what and why, written by the statement that
+-- cleared it (schema version 2); kept forever, clears are rare
+CREATE TABLE IF NOT EXISTS {s}.audit (
+    id bigserial PRIMARY KEY,
+    intent text NOT NULL,
+    at float8 NOT NULL,
+    entry text NOT NULL                -- JSON (codec.entry_to_json)
+);
+CREATE INDEX IF NOT EXISTS audit_intent ON {s}.audit (intent, id);
 
 CREATE OR REPLACE FUNCTION {s}.now_(p_now float8) RETURNS float8 LANGUAGE sql VOLATILE AS $$
     SELECT coalesce(p_now, extract(epoch FROM clock_timestamp())::float8) $$;
@@ -375,6 +393,38 @@ LANGUAGE plpgsql AS $$
 BEGIN
     RETURN QUERY DELETE FROM {s}.intents WHERE intent = p_intent RETURNING *;
     IF FOUND THEN PERFORM pg_notify({ch}, md5(p_intent)); END IF;
+END $$;
+
+-- the operator's clear: compare-and-delete of the version the decider judged
+-- (base.same_record), and its audit entry, in one statement
+CREATE OR REPLACE FUNCTION {s}.clear_if(
+    p_intent text, p_token bigint, p_state text, p_lease_until float8, p_until float8,
+    p_entry text, p_now float8,
+    OUT outcome text, OUT f_state text, OUT f_token bigint, OUT f_fingerprint bytea,
+    OUT f_domain text, OUT f_agent text, OUT f_lease_until float8, OUT f_cert bytea,
+    OUT f_until float8, OUT f_reason text, OUT f_since float8, OUT f_seq bigint,
+    OUT f_reclaim_at float8, OUT a_id bigint, OUT a_at float8)
+LANGUAGE plpgsql AS $$
+DECLARE cur {s}.intents%ROWTYPE; have boolean;
+BEGIN
+    SELECT * INTO cur FROM {s}.intents WHERE intent = p_intent FOR UPDATE;
+    have := FOUND;
+    IF have THEN
+        SELECT cur.state, cur.token, cur.fingerprint, cur.domain, cur.agent, cur.lease_until,
+               cur.cert, cur.until, cur.reason, cur.since, cur.seq, cur.reclaim_at
+          INTO f_state, f_token, f_fingerprint, f_domain, f_agent, f_lease_until, f_cert,
+               f_until, f_reason, f_since, f_seq, f_reclaim_at;
+    END IF;
+    IF NOT have OR NOT (cur.token = p_token AND cur.state = p_state
+            AND cur.lease_until = p_lease_until AND cur.until = p_until) THEN
+        outcome := 'moved'; RETURN;
+    END IF;
+    a_at := {s}.now_(p_now);
+    DELETE FROM {s}.intents WHERE intent = p_intent;
+    INSERT INTO {s}.audit (intent, at, entry) VALUES (p_intent, a_at, p_entry)
+        RETURNING id INTO a_id;
+    PERFORM pg_notify({ch}, md5(p_intent));
+    outcome := 'applied';
 END $$;
 
 CREATE OR REPLACE FUNCTION {s}.evict_domain(p_domain text, OUT outcome text, OUT n bigint)
@@ -675,6 +725,9 @@ class PostgresStore(FenceStore):
             "SELECT * FROM {}.finish(%s, %s, %s, %s, %s::float8, %s::float8, %s::float8)"
         ).format(s)
         self._q_clear = q("SELECT " + _F + " FROM {}.clear(%s)").format(s)
+        self._q_clear_if = q(
+            "SELECT * FROM {}.clear_if(%s, %s, %s, %s::float8, %s::float8, %s, %s::float8)"
+        ).format(s)
         self._q_evict = q("SELECT * FROM {}.evict_domain(%s)").format(s)
         self._q_sweep = q("SELECT {}.sweep(%s, %s::float8)").format(s)
         self._q_certs = q(
@@ -1184,6 +1237,47 @@ class PostgresStore(FenceStore):
         except _Lost as exc:
             raise self._unavailable("clear", exc) from exc
         return self._decode(intent, rows[0][1:]) if rows else None
+
+    def clear_if(self, intent: str, *, expect: IntentRecord, entry: Mapping[str, Any]) -> Step:
+        data = entry_to_json(entry)
+        params = (
+            intent,
+            expect.token,
+            expect.state.value,
+            min(expect.lease_until, NEVER),
+            min(expect.until, NEVER),
+            data,
+            self._p_now(),
+        )
+        try:
+            (row,) = self._run("clear", self._q_clear_if, params)
+        except _Lost as exc:
+            # the clear may have applied: the operator looks again (show, audit) rather
+            # than being told something this store does not know
+            raise self._unavailable("clear", exc) from exc
+        found = self._found(intent, row, 1)
+        if row[0] == "moved":
+            return Step(MOVED, found=found)
+        return Step(APPLIED, None, found, entry=entry_from_json(data, row[13], row[14]))
+
+    def audit(
+        self, *, intent: str | None = None, after: int | None = None, limit: int = 100
+    ) -> list[dict[str, Any]]:
+        where = [sql.SQL("id > %s")]
+        params: list[Any] = [-1 if after is None else int(after)]
+        if intent is not None:
+            where.append(sql.SQL("intent = %s"))
+            params.append(intent)
+        order = sql.SQL("ASC" if after is not None else "DESC")
+        query = sql.SQL("SELECT id, at, entry FROM {}.audit WHERE {} ORDER BY id {} LIMIT %s")
+        rows = self._read(
+            "audit",
+            query.format(self._s, sql.SQL(" AND ").join(where), order),
+            (*params, max(0, int(limit))),
+        )
+        if after is None:
+            rows.reverse()
+        return [entry_from_json(data, i, at) for i, at, data in rows]
 
     def evict_domain(self, domain: str) -> Step:
         try:

@@ -13,6 +13,8 @@ Keys, all under one hash tag (``{prefix}``, ``?prefix=name`` in the URL, default
     {p}:fl:<domain>   set: intents in flight on the domain (checked against the records)
     {p}:reclaim       zset: ["intent","domain"] by reclaim_at: what sweep cleans up
     {p}:c:<domain>    zset: certificate JSON by seq: the audit trail
+    {p}:audit         zset: [id, at, intent, entry JSON] by id: the operator's clears
+    {p}:audit_id      counter: audit entry ids (INCR)
     {p}:fence         hash: floor (where new domains start, raised by evictions: G5)
     {p}:tokens        counter: fencing tokens (INCR)
     {p}:meta          hash: schema_version, store_id, sealing_key
@@ -48,7 +50,7 @@ import math
 import re
 import secrets
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -71,7 +73,14 @@ from effectfence.store.base import (
     Head,
     Step,
 )
-from effectfence.store.codec import NEVER, RECORD_FIELDS, cert_from_json, cert_to_json
+from effectfence.store.codec import (
+    NEVER,
+    RECORD_FIELDS,
+    cert_from_json,
+    cert_to_json,
+    entry_from_json,
+    entry_to_json,
+)
 
 __all__ = ["DEFAULT_PREFIX", "SCHEMA_VERSION", "RedisStore"]
 
@@ -306,6 +315,27 @@ changed(ARGV[3])
 return cur
 """
 
+_CLEAR_IF = """
+-- KEYS[1] record  KEYS[2] audit zset  KEYS[3] audit id counter
+-- ARGV[1] prefix  ARGV[2] test clock or ''  ARGV[3] intent
+-- ARGV[4..7] the judged record's token, state, lease_until, until  ARGV[8] entry JSON
+-- -> {'moved', found record or false} | {'applied', found record, id, now}
+local cur = get(KEYS[1])
+-- the condition: still the version the decider judged (base.same_record)
+if not cur or not (tonumber(cur[2]) == tonumber(ARGV[4]) and cur[1] == ARGV[5]
+        and tonumber(cur[6]) == tonumber(ARGV[6]) and tonumber(cur[8]) == tonumber(ARGV[7])) then
+    return {'moved', cur or false}
+end
+local t = now()
+redis.call('DEL', KEYS[1])
+redis.call('SREM', P .. ':fl:' .. cur[4], ARGV[3])
+-- the audit entry, in the same script: a clear nobody can account for never happens
+local id = redis.call('INCR', KEYS[3])
+redis.call('ZADD', KEYS[2], id, cjson.encode({id, fmt(t), ARGV[3], ARGV[8]}))
+changed(ARGV[3])
+return {'applied', cur, ifmt(id), fmt(t)}
+"""
+
 _EVICT = """
 -- KEYS[1] domain hash  KEYS[2] its in-flight set  KEYS[3] fence hash  KEYS[4] domain set
 -- ARGV[1] prefix  ARGV[2] ''  ARGV[3] domain  -> {'busy', n} | {'applied', seq or nil}
@@ -437,6 +467,7 @@ class RedisStore(FenceStore):
         self._s_complete = r.register_script(_PRELUDE + _COMPLETE)
         self._s_finish = r.register_script(_PRELUDE + _FINISH)
         self._s_clear = r.register_script(_PRELUDE + _CLEAR)
+        self._s_clear_if = r.register_script(_PRELUDE + _CLEAR_IF)
         self._s_evict = r.register_script(_PRELUDE + _EVICT)
         self._s_sweep = r.register_script(_PRELUDE + _SWEEP)
         self._waiters = Waiters()
@@ -978,6 +1009,48 @@ class RedisStore(FenceStore):
         except _Lost as exc:
             raise self._unavailable("clear", exc) from exc
         return None if out is None else self._decode(intent, out)
+
+    def clear_if(self, intent: str, *, expect: IntentRecord, entry: Mapping[str, Any]) -> Step:
+        data = entry_to_json(entry)
+        keys = (self._k("i", intent), f"{self._p}:audit", f"{self._p}:audit_id")
+        args = [self._t(), intent, expect.token, expect.state.value,
+                _num(expect.lease_until), _num(expect.until), data]  # fmt: skip
+        try:
+            out = self._call("clear", self._s_clear_if, keys, args)
+        except _Lost as exc:
+            # it may have applied: the operator looks again rather than being told a guess
+            raise self._unavailable("clear", exc) from exc
+        found = self._decode(intent, out[1]) if out[1] else None
+        if out[0] == b"moved":
+            return Step(MOVED, found=found)
+        return Step(APPLIED, None, found, entry=entry_from_json(data, int(out[2]), float(out[3])))
+
+    def audit(
+        self, *, intent: str | None = None, after: int | None = None, limit: int = 100
+    ) -> list[dict[str, Any]]:
+        """Entries by id from the audit zset; filtering by intent reads the whole trail
+        (O(clears): operators clear rarely)."""
+        key = f"{self._p}:audit"
+        n = max(0, int(limit))
+        if not n:
+            return []
+
+        def fetch() -> list[Any]:
+            if intent is not None:
+                lo = "-inf" if after is None else f"({int(after)}"
+                return list(self._r.zrangebyscore(key, lo, "+inf"))
+            if after is not None:
+                return list(self._r.zrangebyscore(key, f"({int(after)}", "+inf", start=0, num=n))
+            return list(reversed(self._r.zrevrange(key, 0, n - 1)))
+
+        out = []
+        for member in self._cmd("audit", fetch):
+            i, at, name, data = json.loads(member)
+            if intent is None or name == intent:
+                out.append(entry_from_json(data, int(i), float(at)))
+        if intent is not None:
+            out = out[:n] if after is not None else out[len(out) - n :]
+        return out
 
     def evict_domain(self, domain: str) -> Step:
         keys = (
