@@ -18,6 +18,9 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "storm": ("effectfence.storm", "main", "1,000 attempts to charge order #777: one runs"),
     "serve": ("effectfence.mcp.server", "main", "MCP server (stdio, or --http) for the fence"),
     "scan": ("effectfence.scan.cli", "main", "list MCP tools that could fire twice, with evidence"),
+    "intents": ("effectfence.operator.intents", "main", "list, show, clear (with a reason), watch"),
+    "certs": ("effectfence.operator.certs", "main", "export certificates, verify the chain"),
+    "console": ("effectfence.operator.console", "main", "web page: fenced intents, clear, audit"),
 }
 
 USAGE = "usage: effectfence {" + ",".join(COMMANDS) + "} [options]   (effectfence CMD --help)"
@@ -69,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         for name, (_, _, text) in COMMANDS.items():
-            print(f"  {name:<6} {text}")
+            print(f"  {name:<8} {text}")
         return 0 if argv else 2
     if argv[0] == "--version":
         from effectfence import __version__

@@ -23,7 +23,13 @@ CORE = [
     "store/base.py",
     "store/memory.py",
 ]
-ROOMS = ("effectfence.mcp", "effectfence.scan", "effectfence.storm", "effectfence.cli")
+ROOMS = (
+    "effectfence.mcp",
+    "effectfence.scan",
+    "effectfence.storm",
+    "effectfence.cli",
+    "effectfence.operator",
+)
 IO_MODULES = {"socket", "subprocess", "sqlite3", "http", "urllib", "asyncio.subprocess", "mcp"}
 
 
