@@ -40,6 +40,7 @@ from effectfence.errors import (
 from effectfence.fence import (
     DEFAULT_LEASE_TTL,
     DEFAULT_RESULT_TTL,
+    AuditEntry,
     EffectFence,
     FenceConfig,
     IntentStatus,
@@ -61,6 +62,7 @@ __all__ = [
     "DEFAULT_LEASE_TTL",
     "DEFAULT_RESULT_TTL",
     "Admission",
+    "AuditEntry",
     "CanonicalError",
     "ChainReport",
     "DomainRace",

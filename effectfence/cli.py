@@ -21,6 +21,9 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "wrap": ("effectfence.wrap.proxy", "main", "put any stdio MCP server behind the fence"),
     "probe": ("effectfence.wrap.probe", "main", "N identical calls: did it fire twice?"),
     "demo": ("effectfence.wrap.demo", "main", "a double-firing server, raw and wrapped"),
+    "intents": ("effectfence.operator.intents", "main", "list, show, clear (with a reason), watch"),
+    "certs": ("effectfence.operator.certs", "main", "export certificates, verify the chain"),
+    "console": ("effectfence.operator.console", "main", "web page: fenced intents, clear, audit"),
 }
 
 USAGE = "usage: effectfence {" + ",".join(COMMANDS) + "} [options]   (effectfence CMD --help)"
@@ -72,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         for name, (_, _, text) in COMMANDS.items():
-            print(f"  {name:<6} {text}")
+            print(f"  {name:<8} {text}")
         return 0 if argv else 2
     if argv[0] == "--version":
         from effectfence import __version__

@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 __all__ = [
+    "CLEAR_COMMAND",
     "REFUSAL_TYPES",
     "DomainRace",
     "FenceError",
@@ -111,9 +112,17 @@ class IntentInFlight(Refusal):
         return float(self.details.get("retry_after", 0.0))
 
 
+#: what an operator runs to clear a fenced intent (the hints name it, in the library and
+#: over MCP, since the refused agent cannot clear and its operator may not know how)
+CLEAR_COMMAND = "effectfence intents clear INTENT --reason TEXT"
+
+
 class IntentFailed(Refusal):
     code = "intent_failed"
-    recover = "reconcile downstream (the effect may have run), then clear_intent"
+    recover = (
+        "do not run it again: the effect may have run. Reconcile downstream, then an "
+        f"operator clears the intent ({CLEAR_COMMAND}; library: fence.clear_intent)"
+    )
 
 
 class IntentConflict(Refusal, ValueError):

@@ -26,6 +26,7 @@ from effectfence.cert import EffectCert, spliced_hash
 from effectfence.clock import VectorClock, ticket_counts
 from effectfence.counters import new_table
 from effectfence.errors import (
+    CLEAR_COMMAND,
     REFUSAL_TYPES,
     DomainRace,
     IntentInFlight,
@@ -45,10 +46,12 @@ from effectfence.model import (
 )
 from effectfence.protocol import (
     Action,
+    ClearVerdict,
     IntentRecord,
     Row,
     State,
     TicketVerdict,
+    decide_clear,
     decide_prepare,
     judge_ticket,
     observe,
@@ -67,6 +70,7 @@ __all__ = [
     "DEFAULT_MAX_PAYLOAD_BYTES",
     "DEFAULT_RESULT_TTL",
     "DEFAULT_SWEEP_INTERVAL",
+    "AuditEntry",
     "EffectFence",
     "FenceConfig",
     "IntentStatus",
@@ -85,6 +89,11 @@ DEFAULT_MAX_DEPTH = 32
 #: longest lease or finite result lifetime accepted (~31 years): deadlines stay exact floats
 MAX_TTL = 1e9
 _MAX_MOVES = 64  # a record that moves this often under one prepare is reported in flight
+#: longest reason (and who) an operator's clear records
+MAX_CLEAR_TEXT = 4096
+#: what ``clear_intent(intent)`` records: the library's form names no one and no reason
+LIBRARY_CLEARER = "library"
+LIBRARY_CLEAR_REASON = "clear_intent() called without a reason"
 
 _REPLAY, _CLAIM, _TAKEOVER = Action.REPLAY, Action.CLAIM, Action.TAKEOVER
 _ALLOW, _COMMITTED = TicketVerdict.ALLOW, TicketVerdict.COMMITTED
@@ -161,6 +170,47 @@ class IntentStatus:
     reason: str | None = None
     since: float | None = None
     details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class AuditEntry:
+    """One operator action in the store's audit trail: who cleared which intent, when (``at``,
+    on the store's clock) and why, and what the record was (``previous``: state, holder,
+    token, domain, seq and the failure, lease or certificate hash; never args or results)."""
+
+    id: int
+    at: float
+    intent: str
+    action: str
+    who: str
+    reason: str
+    forced: bool = False
+    previous: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> AuditEntry:
+        return cls(
+            id=int(data["id"]),
+            at=float(data["at"]),
+            intent=str(data.get("intent", "")),
+            action=str(data.get("action", "clear")),
+            who=str(data.get("who", "")),
+            reason=str(data.get("reason", "")),
+            forced=bool(data.get("forced", False)),
+            previous=dict(data.get("previous") or {}),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "at": self.at,
+            "intent": self.intent,
+            "action": self.action,
+            "who": self.who,
+            "reason": self.reason,
+            "forced": self.forced,
+            "previous": dict(self.previous),
+        }
 
 
 class _Waiter:
@@ -587,7 +637,7 @@ class EffectFence:
                 "effect ran; the intent is now FAILED: reconcile, then clear it",
                 retryable=False,
                 recover="the effect ran on a stale view: do not run it again; reconcile "
-                "downstream, then an operator clears the intent",
+                f"downstream, then an operator clears the intent ({CLEAR_COMMAND})",
                 intent=intent,
                 state="failed",
                 token=ticket.token,
@@ -647,15 +697,74 @@ class EffectFence:
         return until
 
     # -- operator and queries ----------------------------------------------------------------------
-    def clear_intent(self, intent: str) -> bool:
-        """Operator reconcile: any state -> ABSENT. True if there was something to clear."""
+    def clear(
+        self, intent: str, *, reason: str, who: str, force: bool = False
+    ) -> AuditEntry | None:
+        """The operator's reconcile: the intent's record -> ABSENT, recorded with who cleared
+        it, when (the store's clock) and why, in the same store step (G9).
+
+        An intent in flight under a live lease is refused :class:`IntentInFlight` unless
+        ``force``: its holder may be running the effect right now, and an attempt admitted
+        after the clear would run it a second time. Returns the audit entry, or None when
+        there was no record (nothing cleared, nothing recorded)."""
         if type(intent) is not str or not intent:
             raise InvalidRequest("intent must be a non-empty string")
-        removed = self.store.clear(intent)
-        if removed is not None:
-            self._count("clears")
-            self._wake(intent)
-        return removed is not None
+        if type(reason) is not str or not reason.strip() or len(reason) > MAX_CLEAR_TEXT:
+            raise InvalidRequest(
+                f"a clear needs a reason: a non-empty string of at most {MAX_CLEAR_TEXT} chars",
+                intent=intent,
+            )
+        if type(who) is not str or not who.strip() or len(who) > 256:
+            raise InvalidRequest("who must be a non-empty string of at most 256 chars")
+        store = self.store
+        for _ in range(_MAX_MOVES):
+            rec, now = store.read(intent)
+            row, verdict, refusal = decide_clear(rec, now, intent, force=force)
+            if refusal is not None:
+                raise refusal
+            if verdict is ClearVerdict.NOTHING:
+                return None
+            assert rec is not None
+            entry = {
+                "action": "clear",
+                "intent": intent,
+                "who": who,
+                "reason": reason,
+                "forced": bool(force) and row is Row.IN_FLIGHT_LIVE,
+                "previous": _snapshot(rec, row, now),
+            }
+            step = store.clear_if(intent, expect=rec, entry=entry)
+            if step.outcome is APPLIED:
+                assert step.entry is not None
+                self._count("clears")
+                self._wake(intent)
+                return AuditEntry.from_dict(step.entry)
+            # the record moved between the look and the step: judge the new one
+        raise IntentInFlight(
+            f"can't clear {intent!r}: its record kept changing; try again",
+            intent=intent,
+            retryable=True,
+        )
+
+    def clear_intent(self, intent: str) -> bool:
+        """The library's one-argument reconcile: any state -> ABSENT, as documented since the
+        first release, live leases included. Recorded in the audit trail like every clear
+        (who ``library``, no reason given, forced). Operators use :meth:`clear`, which asks
+        for a reason and refuses a live lease unless forced. True if something was cleared."""
+        return (
+            self.clear(intent, reason=LIBRARY_CLEAR_REASON, who=LIBRARY_CLEARER, force=True)
+            is not None
+        )
+
+    def audit(
+        self, intent: str | None = None, *, after: int | None = None, limit: int = 100
+    ) -> list[AuditEntry]:
+        """The audit trail (of one intent, or all), oldest first: the newest ``limit``
+        entries, or with ``after`` the ones recorded after that id. Never creates state."""
+        return [
+            AuditEntry.from_dict(e)
+            for e in self.store.audit(intent=intent, after=after, limit=limit)
+        ]
 
     def intent_status(self, intent: str) -> IntentStatus:
         """One intent's state now, as a value. Never creates state (G8)."""
@@ -767,6 +876,27 @@ class EffectFence:
             self._count("invalid_request")
             raise
         return self.prepare(request)
+
+
+def _snapshot(rec: IntentRecord, row: Row, now: float) -> dict[str, Any]:
+    """What a clear removed, for its audit entry: state, holder, token and the facts of its
+    row. Never the args or the result (they may hold personal data): a done record is
+    named by its certificate's hash."""
+    snap: dict[str, Any] = {
+        "state": row.value,
+        "token": rec.token,
+        "holder": rec.agent,
+        "domain": rec.domain,
+        "seq": rec.seq,
+    }
+    if row is Row.FAILED:
+        snap["failure"] = rec.reason
+        snap["failed_for"] = max(0.0, now - rec.since)
+    elif row in (Row.IN_FLIGHT_LIVE, Row.IN_FLIGHT_LAPSED):
+        snap["lease_left"] = max(0.0, rec.lease_until - now)
+    elif rec.cert is not None:
+        snap["cert_hash"] = rec.cert.hash
+    return snap
 
 
 def status_of(intent: str, rec: IntentRecord | None, now: float) -> IntentStatus:

@@ -35,7 +35,12 @@ Rules, each enforced here and nowhere else:
 7. When a record may be reclaimed is decided here, when it is written
    (:func:`reclaim_after`): the store deletes records whose deadline has passed and
    judges nothing else (G8).
-8. The fence's ``prepare``/``commit`` and every store call these functions; none of them
+8. What an operator's clear may do is a lookup in :data:`CLEAR_TABLE`, keyed by the row:
+   a record in flight under a live lease is cleared only when forced (its holder may be
+   running the effect right now, and a retry admitted after the clear would run it twice).
+   The store deletes only the record the decision was made on, and records who cleared it
+   and why in the same step.
+9. The fence's ``prepare``/``commit`` and every store call these functions; none of them
    keeps a copy. ``docs/design.md`` maps each guarantee to the function that holds it.
 """
 
@@ -55,13 +60,16 @@ from effectfence.errors import (
 )
 
 __all__ = [
+    "CLEAR_TABLE",
     "PREPARE_TABLE",
     "TICKET_TABLE",
     "Action",
+    "ClearVerdict",
     "IntentRecord",
     "Row",
     "State",
     "TicketVerdict",
+    "decide_clear",
     "decide_prepare",
     "judge_ticket",
     "observe",
@@ -129,6 +137,15 @@ class TicketVerdict(Enum):
 
     # identity hash in C: these are table keys on the hot path, and Enum's hash is Python
     __hash__ = object.__hash__
+
+
+class ClearVerdict(Enum):
+    CLEAR = "clear"  # delete the observed record (and record who and why)
+    NOTHING = "nothing"  # no record: nothing to clear, nothing recorded
+    NEEDS_FORCE = "needs_force"  # in flight under a live lease: refused unless forced
+
+    def __repr__(self) -> str:
+        return self.name
 
 
 class IntentRecord:
@@ -247,6 +264,17 @@ TICKET_TABLE: dict[tuple[Row, bool], TicketVerdict] = {
 }
 
 
+# Rule 8. Key: the row. Clearing is the operator's reconcile (G9): any record may go, but one
+# whose holder may be running the effect right now only when the operator says so.
+CLEAR_TABLE: dict[Row, ClearVerdict] = {
+    Row.ABSENT: ClearVerdict.NOTHING,
+    Row.IN_FLIGHT_LIVE: ClearVerdict.NEEDS_FORCE,
+    Row.IN_FLIGHT_LAPSED: ClearVerdict.CLEAR,
+    Row.DONE_LIVE: ClearVerdict.CLEAR,
+    Row.DONE_EXPIRED: ClearVerdict.CLEAR,
+    Row.FAILED: ClearVerdict.CLEAR,
+}
+
 _CLAIM = PREPARE_TABLE[Row.ABSENT, True]
 
 
@@ -296,6 +324,39 @@ def prepare_refusal(
             failed_for=max(0.0, now - record.since),
         )
     raise AssertionError(f"{action!r} is not a refusal")
+
+
+def decide_clear(
+    record: IntentRecord | None, now: float, intent: str, *, force: bool
+) -> tuple[Row, ClearVerdict, Refusal | None]:
+    """Rule 8: may an operator clear this record? Returns (row, verdict, refusal to raise).
+
+    NEEDS_FORCE with ``force`` becomes CLEAR; without it, the refusal names the holder,
+    its token and how long its lease still runs."""
+    row = observe(record, now)
+    verdict = CLEAR_TABLE[row]
+    if verdict is not ClearVerdict.NEEDS_FORCE:
+        return row, verdict, None
+    if force:
+        return row, ClearVerdict.CLEAR, None
+    assert record is not None
+    left = max(0.0, record.lease_until - now)
+    return (
+        row,
+        verdict,
+        IntentInFlight(
+            f"can't clear {intent!r}: state={row.value}, held by {record.agent!r} (token "
+            f"{record.token}) for {left:.3f}s more; its holder may be running the effect now",
+            intent=intent,
+            state=row.value,
+            token=record.token,
+            holder=record.agent,
+            retry_after=left,
+            recover="wait for the holder to commit, abort or lapse (retry_after), or clear it "
+            "anyway with force (effectfence intents clear INTENT --reason ... --force) once "
+            "you know it is not running",
+        ),
+    )
 
 
 def judge_ticket(

@@ -84,6 +84,120 @@ STORES["sqlite"] = _sqlite
 REOPEN["sqlite"] = _sqlite_reopen
 
 
+# -- server stores: PostgreSQL and Redis -------------------------------------------------------
+# Found through EFFECTFENCE_PG_DSN / EFFECTFENCE_REDIS_URL. Each store gets its own schema / key
+# prefix, dropped when the store that created it closes. Without a server the tests skip and
+# say why; with EFFECTFENCE_REQUIRE_SERVICES=1 (CI) a missing server fails them.
+PG_DSN = os.environ.get("EFFECTFENCE_PG_DSN", "postgresql://postgres@127.0.0.1:5432/test")
+REDIS_URL = os.environ.get("EFFECTFENCE_REDIS_URL", "redis://127.0.0.1:6379/0")
+REQUIRE_SERVICES = os.environ.get("EFFECTFENCE_REQUIRE_SERVICES") == "1"
+_names = itertools.count()
+_probed: dict[str, str | None] = {}
+
+
+def unique_name(kind: str) -> str:
+    """A schema / key prefix no other test (or process) uses."""
+    return f"t_{kind}_{os.getpid()}_{next(_names)}_{os.urandom(3).hex()}"
+
+
+def _probe(kind: str) -> str | None:
+    """None if the server answers, else why not (probed once per process)."""
+    if kind not in _probed:
+        try:
+            if kind == "pg":
+                import psycopg
+
+                psycopg.connect(PG_DSN, connect_timeout=3).close()
+            else:
+                import redis
+
+                redis.Redis.from_url(REDIS_URL, socket_connect_timeout=3).ping()
+            _probed[kind] = None
+        except Exception as exc:  # ImportError or no server: both mean "can't run here"
+            _probed[kind] = f"{type(exc).__name__}: {exc}"
+    return _probed[kind]
+
+
+def need(kind: str) -> None:
+    """Skip (or, with EFFECTFENCE_REQUIRE_SERVICES=1, fail) when the server is not there."""
+    import pytest
+
+    why = _probe(kind)
+    if why is None:
+        return
+    where = PG_DSN if kind == "pg" else REDIS_URL
+    msg = f"no {'PostgreSQL' if kind == 'pg' else 'Redis'} at {where} ({why})"
+    if REQUIRE_SERVICES:
+        pytest.fail(msg + "; EFFECTFENCE_REQUIRE_SERVICES=1 makes this a failure", pytrace=False)
+    pytest.skip(msg + "; set EFFECTFENCE_PG_DSN / EFFECTFENCE_REDIS_URL to run it")
+
+
+def drop_pg_schema(schema: str) -> None:
+    import psycopg
+
+    with psycopg.connect(PG_DSN, autocommit=True) as conn:
+        conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+def drop_redis_prefix(prefix: str) -> None:
+    import redis
+
+    r = redis.Redis.from_url(REDIS_URL)
+    keys = list(r.scan_iter(match="[{]" + prefix + "[}]:*", count=1000))
+    if keys:
+        r.delete(*keys)
+    r.close()
+
+
+def _dropping(store: FenceStore, drop: Callable[[], None]) -> FenceStore:
+    """The store, whose close() also removes what it created on the server."""
+    close = store.close
+
+    def close_and_drop() -> None:
+        close()
+        drop()
+
+    store.close = close_and_drop  # type: ignore[method-assign]
+    return store
+
+
+_pg_pool: Any = None
+
+
+def pg_pool() -> Any:
+    """One connection pool for every PostgreSQL store of this test process (the stores differ
+    by schema, which every statement names): suites that open dozens of stores stay within
+    the server's max_connections. It also runs the stores on a pool the caller owns."""
+    global _pg_pool
+    if _pg_pool is None:
+        from psycopg_pool import ConnectionPool
+
+        _pg_pool = ConnectionPool(
+            PG_DSN, min_size=1, max_size=12, kwargs={"autocommit": True}, open=True
+        )
+        atexit.register(_pg_pool.close)
+    return _pg_pool
+
+
+def _postgres(clock: FakeClock) -> FenceStore:
+    need("pg")
+    from effectfence.store.postgres import PostgresStore
+
+    schema = unique_name("pg")
+    store = PostgresStore(pool=pg_pool(), schema=schema, clock=clock)
+    return _dropping(store, lambda: drop_pg_schema(schema))
+
+
+def _postgres_reopen(store: FenceStore, clock: FakeClock) -> FenceStore:
+    from effectfence.store.postgres import PostgresStore
+
+    assert isinstance(store, PostgresStore)
+    return PostgresStore(PG_DSN, schema=store.schema, clock=clock)
+
+
+STORES["postgres"] = _postgres
+REOPEN["postgres"] = _postgres_reopen
+
 FenceFactory = Callable[..., EffectFence]
 
 
@@ -177,6 +291,13 @@ class HookedStore(FenceStore):
         self._fire("clear")
         return self.inner.clear(intent)
 
+    def clear_if(self, intent: str, **kw: Any) -> Step:
+        self._fire("clear_if")
+        return self.inner.clear_if(intent, **kw)
+
+    def audit(self, **kw: Any) -> list[dict[str, Any]]:
+        return self.inner.audit(**kw)
+
     def current(self, domain: str) -> int:
         return self.inner.current(domain)
 
@@ -221,3 +342,23 @@ def preemptive(interval: float = 1e-6) -> Iterator[None]:
         yield
     finally:
         sys.setswitchinterval(old)
+
+
+def _redis(clock: FakeClock) -> FenceStore:
+    need("redis")
+    from effectfence.store.redis import RedisStore
+
+    prefix = unique_name("redis")
+    store = RedisStore(REDIS_URL, prefix=prefix, clock=clock)
+    return _dropping(store, lambda: drop_redis_prefix(prefix))
+
+
+def _redis_reopen(store: FenceStore, clock: FakeClock) -> FenceStore:
+    from effectfence.store.redis import RedisStore
+
+    assert isinstance(store, RedisStore)
+    return RedisStore(REDIS_URL, prefix=store.prefix, clock=clock)
+
+
+STORES["redis"] = _redis
+REOPEN["redis"] = _redis_reopen

@@ -29,6 +29,7 @@ ROOMS = (
     "effectfence.storm",
     "effectfence.cli",
     "effectfence.wrap",
+    "effectfence.operator",
 )
 IO_MODULES = {"socket", "subprocess", "sqlite3", "http", "urllib", "asyncio.subprocess", "mcp"}
 

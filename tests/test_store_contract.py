@@ -489,6 +489,93 @@ def test_clear_removes_any_state(store: FenceStore) -> None:
     assert store.current("d") == 3  # clearing records never rolls a seq back
 
 
+def entry(intent: str, reason: str = "reconciled") -> dict[str, Any]:
+    return {"action": "clear", "intent": intent, "who": "ops", "reason": reason, "forced": False}
+
+
+@pytest.mark.parametrize("state", ["in_flight", "done", "failed"])
+def test_clear_if_deletes_the_observed_record_and_records_why(
+    store: FenceStore, clock: FakeClock, state: str
+) -> None:
+    rec = held(store, "a")
+    if state == "done":
+        assert complete(store, rec).ok
+    elif state == "failed":
+        assert store.fail("a", rec.token, "timeout", reclaim_after=RECLAIM).ok
+    seen = store.get("a")
+    assert seen is not None
+    clock.advance(3.0)
+    now = store.now()
+    step = store.clear_if("a", expect=seen, entry=entry("a", "refunded by hand"))
+    assert step.outcome is APPLIED, step
+    assert step.found is not None and step.found.token == rec.token
+    assert step.found.state is seen.state
+    assert store.get("a") is None
+    assert store.in_flight("d") == 0
+    assert store.current("d") == rec.seq  # a clear never rolls a seq back
+    got = step.entry
+    assert got is not None
+    assert got["reason"] == "refunded by hand" and got["who"] == "ops" and got["intent"] == "a"
+    assert got["at"] == pytest.approx(now) and got["id"] >= 1
+    assert store.audit(intent="a") == [got]
+
+
+def test_clear_if_an_older_version_is_moved_and_records_nothing(
+    store: FenceStore, clock: FakeClock
+) -> None:
+    rec = held(store, "a")
+    # judged in flight; the holder renewed (another version) before the clear reached the store
+    assert store.renew("a", rec.token, lease_ttl=20.0, reclaim_after=40.0).ok
+    before = world(store, ("a",), ("d",))
+    step = store.clear_if("a", expect=rec, entry=entry("a"))
+    assert step.outcome is MOVED and step.found is not None and step.found.token == rec.token
+    assert world(store, ("a",), ("d",)) == before
+    assert store.audit() == []
+    # judged, then cleared by someone else: absent is MOVED too, with nothing found
+    now_rec = store.get("a")
+    assert now_rec is not None and store.clear("a") is not None
+    step = store.clear_if("a", expect=now_rec, entry=entry("a"))
+    assert step.outcome is MOVED and step.found is None
+    assert store.audit() == []
+
+
+def test_audit_is_ordered_filtered_and_followable(store: FenceStore, clock: FakeClock) -> None:
+    ids = []
+    for n, intent in enumerate(("a", "b", "a", "c")):
+        rec = held(store, intent)
+        assert store.fail(intent, rec.token, "x", reclaim_after=RECLAIM).ok
+        seen = store.get(intent)
+        assert seen is not None
+        clock.advance(1.0)
+        step = store.clear_if(intent, expect=seen, entry=entry(intent, f"r{n}"))
+        assert step.ok and step.entry is not None
+        ids.append(step.entry["id"])
+    assert ids == sorted(ids) and len(set(ids)) == 4
+    everything = store.audit()
+    assert [e["reason"] for e in everything] == ["r0", "r1", "r2", "r3"]
+    assert [e["at"] for e in everything] == sorted(e["at"] for e in everything)
+    assert [e["reason"] for e in store.audit(limit=2)] == ["r2", "r3"]  # the newest, in order
+    assert [e["reason"] for e in store.audit(intent="a")] == ["r0", "r2"]
+    assert [e["reason"] for e in store.audit(intent="a", limit=1)] == ["r2"]
+    assert [e["reason"] for e in store.audit(after=ids[1])] == ["r2", "r3"]
+    assert [e["reason"] for e in store.audit(after=ids[0], limit=1)] == ["r1"]
+    assert [e["reason"] for e in store.audit(intent="a", after=ids[0])] == ["r2"]
+    assert store.audit(after=ids[-1]) == [] and store.audit(limit=0) == []
+    # a read: asking changes nothing
+    assert store.audit() == everything
+
+
+def test_clear_if_races_one_winner(store: FenceStore) -> None:
+    rec = held(store, "a")
+    assert store.fail("a", rec.token, "x", reclaim_after=RECLAIM).ok
+    seen = store.get("a")
+    assert seen is not None
+    steps = race(8, lambda i: store.clear_if("a", expect=seen, entry=entry("a", f"op{i}")))
+    outcomes = [s.outcome for s in steps if isinstance(s, Step)]
+    assert len(outcomes) == 8 and outcomes.count(APPLIED) == 1
+    assert len(store.audit(intent="a")) == 1
+
+
 # -- domains --------------------------------------------------------------------------------------
 
 

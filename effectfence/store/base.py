@@ -33,7 +33,7 @@ import hashlib
 import secrets
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from enum import Enum
 from typing import Any
 
@@ -91,9 +91,10 @@ class Step:
     - ``head``: for a claim, the domain's head when it applied.
     - ``stale``: (domain, expected seq, actual seq) for STALE and RACE.
     - ``count``: attempts in flight, for BUSY; the evicted seq (or None) is ``value``.
+    - ``entry``: for an operator's clear, the audit entry as the store recorded it.
     """
 
-    __slots__ = ("count", "found", "head", "outcome", "record", "stale", "value")
+    __slots__ = ("count", "entry", "found", "head", "outcome", "record", "stale", "value")
 
     def __init__(
         self,
@@ -104,6 +105,7 @@ class Step:
         stale: tuple[str, int, int | None] | None = None,
         count: int = 0,
         value: int | None = None,
+        entry: dict[str, Any] | None = None,
     ) -> None:
         self.outcome = outcome
         self.record = record
@@ -112,6 +114,7 @@ class Step:
         self.stale = stale
         self.count = count
         self.value = value
+        self.entry = entry
 
     @property
     def ok(self) -> bool:
@@ -275,7 +278,29 @@ class FenceStore(ABC):
 
     @abstractmethod
     def clear(self, intent: str) -> IntentRecord | None:
-        """Operator reconcile: any state -> ABSENT. Returns the record removed."""
+        """Any state -> ABSENT, unconditionally and unrecorded. Returns the record removed.
+        The fence clears with :meth:`clear_if`; this stays for tools that must empty a slot."""
+
+    @abstractmethod
+    def clear_if(self, intent: str, *, expect: IntentRecord, entry: Mapping[str, Any]) -> Step:
+        """The operator's clear: compare-and-delete, and an audit entry, in one step.
+
+        Condition: the intent's record is still ``expect``, the version the decider judged
+        (:func:`same_record`). Otherwise MOVED with the record found, nothing written.
+        Then the record is deleted and ``entry`` (a JSON object the decider wrote: who, why,
+        what was cleared) is appended to the audit trail with two fields the store adds:
+        ``id`` (larger than every id before it) and ``at`` (the store's ``now``). APPLIED
+        with ``found`` the record deleted and ``entry`` the entry as recorded. Either both
+        happen or neither: a clear nobody can account for is what this step exists to
+        prevent."""
+
+    @abstractmethod
+    def audit(
+        self, *, intent: str | None = None, after: int | None = None, limit: int = 100
+    ) -> list[dict[str, Any]]:
+        """Audit entries (of one intent, or all), oldest first: with ``after`` those whose
+        ``id`` is larger, at most ``limit``; without, the newest ``limit``. A read: never
+        creates state."""
 
     @abstractmethod
     def evict_domain(self, domain: str) -> Step:

@@ -8,6 +8,7 @@ A record's other fields are plain columns (or hash fields), named by :data:`RECO
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -21,6 +22,8 @@ __all__ = [
     "cert_to_json",
     "decode_deadline",
     "encode_deadline",
+    "entry_from_json",
+    "entry_to_json",
     "record_from_row",
     "record_to_row",
 ]
@@ -55,6 +58,20 @@ def cert_to_json(cert: EffectCert) -> bytes:
 def cert_from_json(data: bytes | str) -> EffectCert:
     """The certificate back from :func:`cert_to_json`; its hash is kept as stored."""
     return EffectCert.from_dict(json_loads(data.encode() if isinstance(data, str) else data))
+
+
+def entry_to_json(entry: Any) -> str:
+    """An audit entry as stored: JSON text, without the ``id`` and ``at`` the store adds."""
+    body = {k: v for k, v in dict(entry).items() if k not in ("id", "at")}
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def entry_from_json(data: bytes | str, id: int, at: float) -> dict[str, Any]:
+    """An audit entry back, with the ``id`` and ``at`` the store recorded (a fresh dict)."""
+    entry: dict[str, Any] = json_loads(data.encode() if isinstance(data, str) else bytes(data))
+    entry["id"] = int(id)
+    entry["at"] = float(at)
+    return entry
 
 
 def encode_deadline(t: float) -> float:

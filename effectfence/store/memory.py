@@ -29,12 +29,14 @@ Concurrency design
 
 from __future__ import annotations
 
+import collections
 import heapq
+import itertools
 import math
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from effectfence.clock import merge_counts
@@ -51,8 +53,10 @@ from effectfence.store.base import (
     Head,
     Step,
 )
+from effectfence.store.codec import entry_from_json, entry_to_json
 
 __all__ = [
+    "DEFAULT_AUDIT_KEEP",
     "DEFAULT_STRIPES",
     "DEFAULT_WHEEL_GRANULARITY",
     "MemoryStore",
@@ -66,6 +70,9 @@ _FAILED = State.FAILED
 
 DEFAULT_STRIPES = 64
 DEFAULT_WHEEL_GRANULARITY = 0.25
+#: operator clears the memory store remembers (the oldest go first); it lives as long as
+#: the process, so its audit trail does too
+DEFAULT_AUDIT_KEEP = 10_000
 
 
 class MemoryStore(FenceStore):
@@ -80,6 +87,7 @@ class MemoryStore(FenceStore):
         counters: CounterTable | None = None,
         stripes: int = DEFAULT_STRIPES,
         granularity: float = DEFAULT_WHEEL_GRANULARITY,
+        audit_keep: int = DEFAULT_AUDIT_KEEP,
     ) -> None:
         if stripes < 1 or stripes & (stripes - 1):
             raise ValueError("stripes must be a power of two")
@@ -110,6 +118,13 @@ class MemoryStore(FenceStore):
         self._next_due = math.inf
         # (bucket, position) of a due bucket a limited sweep stopped in
         self._partial: tuple[list[tuple[str, int]], int] | None = None
+        # the operator's audit trail: (id, at, entry JSON), bounded, appended under the
+        # intent's stripe lock (with the delete) and then this lock
+        self._audit: collections.deque[tuple[int, float, str]] = collections.deque(
+            maxlen=audit_keep
+        )
+        self._audit_ids = itertools.count(1)
+        self._audit_lock = threading.Lock()
 
     # -- helpers --------------------------------------------------------------------------
     def now(self) -> float:
@@ -424,6 +439,34 @@ class MemoryStore(FenceStore):
             if cur is not None and cur.state is _IN_FLIGHT:
                 self._leave(stripe, cur.domain)
             return cur
+
+    def clear_if(self, intent: str, *, expect: IntentRecord, entry: Mapping[str, Any]) -> Step:
+        data = entry_to_json(entry)  # encoded (and checked) before any lock is taken
+        stripe = hash(intent) & self._mask
+        with self._locks[stripe]:
+            cur = self._records.get(intent)
+            # the condition: still the version the decider judged (identity: records are
+            # immutable, every transition installs a new one)
+            if cur is None or cur is not expect:
+                return Step(MOVED, found=cur)
+            del self._records[intent]
+            if cur.state is _IN_FLIGHT:
+                self._leave(stripe, cur.domain)
+            with self._audit_lock:
+                row = (next(self._audit_ids), self._clock(), data)
+                self._audit.append(row)
+        return Step(APPLIED, None, cur, entry=entry_from_json(row[2], row[0], row[1]))
+
+    def audit(
+        self, *, intent: str | None = None, after: int | None = None, limit: int = 100
+    ) -> list[dict[str, Any]]:
+        with self._audit_lock:
+            rows = list(self._audit)
+        out = [entry_from_json(data, i, at) for i, at, data in rows if after is None or i > after]
+        if intent is not None:
+            out = [e for e in out if e.get("intent") == intent]
+        n = max(0, int(limit))
+        return out[:n] if after is not None else out[len(out) - n :] if n else []
 
     def evict_domain(self, domain: str) -> Step:
         for lk in self._locks:

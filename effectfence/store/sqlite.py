@@ -20,6 +20,7 @@ Design
 - Tables: ``intents`` (one row per record, codec columns), ``domains`` (seq and head per
   domain), ``fence`` (one row: the token counter, the eviction floor and the clock state),
   ``certs`` (append-only audit trail, written in the same transaction as the commit),
+  ``audit`` (operator clears: who, when, why; written in the transaction that clears),
   ``meta`` (schema version, store id, sealing key).
 - Sweep is O(expired): an index on ``reclaim_at``; each batch deletes rows whose deadline
   passed inside one transaction, so the version deleted is the version that set it.
@@ -51,7 +52,7 @@ import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 from urllib.parse import parse_qsl, unquote
 
@@ -76,6 +77,8 @@ from effectfence.store.codec import (
     cert_from_json,
     cert_to_json,
     encode_deadline,
+    entry_from_json,
+    entry_to_json,
 )
 
 __all__ = [
@@ -144,6 +147,15 @@ CREATE TABLE IF NOT EXISTS certs (
 );
 -- partial: certificates kept forever (the default) cost no index write
 CREATE INDEX IF NOT EXISTS certs_keep ON certs (keep_until) WHERE keep_until < 1e300;
+-- the operator's audit trail: who cleared what and why, written by the step that cleared
+-- it, and kept forever (clears are rare). Older files gain it when next opened.
+CREATE TABLE IF NOT EXISTS audit (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    intent TEXT NOT NULL,
+    at REAL NOT NULL,
+    entry TEXT NOT NULL             -- JSON (codec.entry_to_json)
+);
+CREATE INDEX IF NOT EXISTS audit_intent ON audit (intent, id);
 """
 
 
@@ -874,6 +886,45 @@ class SQLiteStore(FenceStore):
 
         out: IntentRecord | None = self._write("clear", body)
         return out
+
+    def clear_if(self, intent: str, *, expect: IntentRecord, entry: Mapping[str, Any]) -> Step:
+        data = entry_to_json(entry)
+
+        def body(conn: sqlite3.Connection) -> Step:
+            row = self._fetch(conn, intent)
+            cur = None if row is None else self._decode(row)
+            # the condition: still the version the decider judged
+            if cur is None or not same_record(cur, expect):
+                return Step(MOVED, found=cur)
+            now, _ = self._tick(conn)
+            conn.execute("DELETE FROM intents WHERE intent = ?", (intent,))
+            (audit_id,) = conn.execute(
+                "INSERT INTO audit (intent, at, entry) VALUES (?, ?, ?) RETURNING id",
+                (intent, now, data),
+            ).fetchall()[0]
+            return Step(APPLIED, None, cur, entry=entry_from_json(data, audit_id, now))
+
+        step: Step = self._write("clear", body)
+        return step
+
+    def audit(
+        self, *, intent: str | None = None, after: int | None = None, limit: int = 100
+    ) -> list[dict[str, Any]]:
+        where = ["id > ?"]
+        params: list[Any] = [-1 if after is None else int(after)]
+        if intent is not None:
+            where.append("intent = ?")
+            params.append(intent)
+        order = "ASC" if after is not None else "DESC"
+        rows = self._query(
+            "audit",
+            f"SELECT id, at, entry FROM audit WHERE {' AND '.join(where)} "
+            f"ORDER BY id {order} LIMIT ?",
+            (*params, max(0, int(limit))),
+        )
+        if after is None:
+            rows.reverse()
+        return [entry_from_json(data, i, at) for i, at, data in rows]
 
     def evict_domain(self, domain: str) -> Step:
         def body(conn: sqlite3.Connection) -> Step:

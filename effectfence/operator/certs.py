@@ -1,0 +1,147 @@
+"""``effectfence certs``: export a domain's certificates and verify them as a chain.
+
+    effectfence certs DOMAIN [--store URL] [--after SEQ] [--limit N]    # JSON lines, seq order
+    effectfence certs DOMAIN --verify                                   # check the store's trail
+    effectfence certs --file trail.jsonl --verify                       # check an export offline
+
+An export holds each certificate's args and result only with ``--show-payload`` (they may
+hold personal data); without them a certificate cannot be verified offline, so an export
+meant for ``--file`` needs it. ``--verify`` prints where the chain breaks (the seq, and the
+line of a file), every certificate whose hash does not match, the seq gaps and the
+overlapping attempts; it never prints a payload. Exit status: 0 ok; 1 broken or failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, TextIO
+
+from effectfence.canonical import canonical_bytes
+from effectfence.errors import StoreUnavailable
+from effectfence.fence import EffectFence
+from effectfence.operator.trail import (
+    TrailNotKept,
+    TrailReport,
+    check_trail,
+    load_file,
+    read_trail,
+)
+from effectfence.operator.views import open_fence
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="effectfence certs",
+        description="Export a domain's certificates (JSON lines, seq order) and verify the chain.",
+    )
+    p.add_argument("domain", nargs="?", help="the domain (not with --file)")
+    p.add_argument("--store", metavar="URL", help="the store (default: the servers' default)")
+    p.add_argument("--file", type=Path, help="verify this export instead of a store's trail")
+    p.add_argument("--verify", action="store_true", help="check hashes, links, order and gaps")
+    p.add_argument("--after", type=int, default=0, metavar="SEQ", help="only seqs after this")
+    p.add_argument("--limit", type=int, help="at most this many certificates")
+    p.add_argument("--json", action="store_true", help="--verify: print the report as JSON")
+    p.add_argument(
+        "--show-payload",
+        action="store_true",
+        help="export args and results (needed to verify the export offline; may hold "
+        "personal data)",
+    )
+    return p
+
+
+def redacted(cert: Any) -> dict[str, Any]:
+    """A certificate's JSON form with args and result replaced by their SHA-256."""
+    d: dict[str, Any] = cert.to_dict()
+    for key, raw in (("args", cert.args_json), ("result", cert.result_json)):
+        del d[key]
+        d[f"{key}_sha256"] = hashlib.sha256(raw).hexdigest()
+    return d
+
+
+def print_report(report: TrailReport, out: TextIO, *, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(report.to_dict(), sort_keys=True), file=out)
+        return
+    span = "" if not report.length else f", seq {report.first_seq}..{report.last_seq}"
+    print(
+        f"{'OK' if report.ok else 'BROKEN'}: {report.length} certificate(s) of "
+        f"{report.domain!r}{span}",
+        file=out,
+    )
+    if not report.ok:
+        line = "" if report.broken_at_line is None else f" (line {report.broken_at_line})"
+        print(f"breaks at seq {report.broken_at_seq}{line}: {report.reason}", file=out)
+    if report.tampered:
+        print(f"hash does not match at seq {', '.join(map(str, report.tampered))}", file=out)
+    for a, b in report.gaps:
+        seqs = f"seq {a}" if a == b else f"seqs {a}..{b}"
+        print(
+            f"gap: no certificate for {seqs} (released, aborted or lapsed attempts, or pruned)",
+            file=out,
+        )
+    if report.concurrent:
+        pairs = ", ".join(f"{a}~{b}" for a, b in report.concurrent[:20])
+        more = "" if len(report.concurrent) <= 20 else f" (+{len(report.concurrent) - 20})"
+        print(f"overlapping attempts (not damage): {pairs}{more}", file=out)
+
+
+def main(
+    argv: list[str] | None = None, *, fence: EffectFence | None = None, out: TextIO | None = None
+) -> int:
+    out = out or sys.stdout
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if (args.file is None) == (args.domain is None):
+        parser.error("name a DOMAIN (from a store) or --file (an export), one of them")
+    if args.file is not None:
+        if not args.verify:
+            parser.error("--file is read to be verified: add --verify")
+        try:
+            certs, lines, complaint = load_file(args.file)
+        except OSError as exc:
+            print(f"effectfence certs: can't read {args.file}: {exc.strerror}", file=sys.stderr)
+            return 1
+        report = check_trail(certs, lines)
+        if complaint:
+            if "missing fields" in complaint:
+                complaint += " (an export without --show-payload cannot be verified)"
+            bad_line = int(complaint.split()[1]) if complaint.startswith("line ") else None
+            report = replace(report, ok=False, broken_at_line=bad_line, reason=complaint)
+        print_report(report, out, as_json=args.json)
+        return 0 if report.ok else 1
+    own = fence is None
+    try:
+        if fence is None:
+            fence = open_fence(args.store)
+    except (ValueError, RuntimeError, StoreUnavailable) as exc:
+        print(f"effectfence certs: can't open the store: {exc}", file=sys.stderr)
+        return 1
+    try:
+        trail = read_trail(fence.store, args.domain, after_seq=args.after, limit=args.limit)
+        if args.verify:
+            report = check_trail(list(trail))
+            if report.domain is None:
+                report = TrailReport(True, 0, args.domain)
+            print_report(report, out, as_json=args.json)
+            return 0 if report.ok else 1
+        for cert in trail:
+            body = cert.to_dict() if args.show_payload else redacted(cert)
+            out.write(canonical_bytes(body).decode() + "\n")
+        return 0
+    except TrailNotKept as exc:
+        print(f"effectfence certs: {exc}", file=sys.stderr)
+        return 1
+    except StoreUnavailable as exc:
+        print(f"effectfence certs: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if own:
+            fence.close()

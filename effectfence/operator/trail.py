@@ -1,0 +1,154 @@
+"""A domain's certificates as an audit trail: read them in seq order, check them as a whole.
+
+The check is :func:`effectfence.cert.verify_chain`'s (every hash recomputed, every parent
+a certificate of the chain); this module feeds it and says where it broke in the terms an
+operator has (seqs, file lines), and adds what the trail itself shows: a seq out of order,
+a certificate of another domain, and the seqs with no certificate (gaps). A gap is not
+damage by itself: an attempt that was released, aborted or lapsed reserved a seq and
+committed nothing. A missing certificate that another one was built on breaks a parent
+link, and that the chain check reports.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from effectfence.cert import EffectCert, verify_chain
+from effectfence.errors import InvalidRequest
+from effectfence.store.base import FenceStore
+
+__all__ = ["TrailNotKept", "TrailReport", "check_trail", "load_lines", "read_trail"]
+
+PAGE = 1000
+
+
+class TrailNotKept(RuntimeError):
+    """The store keeps no certificate trail (the memory store)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TrailReport:
+    """What the check found. ``broken_at_seq`` (and ``broken_at_line`` for a file) is the
+    first place the trail breaks; ``tampered`` lists every seq whose hash does not match its
+    fields; ``gaps`` the (first, last) seq ranges with no certificate; ``concurrent`` the
+    seq pairs of attempts that overlapped (reported by the chain check, never damage)."""
+
+    ok: bool
+    length: int
+    domain: str | None = None
+    first_seq: int | None = None
+    last_seq: int | None = None
+    broken_at_seq: int | None = None
+    broken_at_line: int | None = None
+    reason: str = ""
+    tampered: list[int] = field(default_factory=list)
+    gaps: list[tuple[int, int]] = field(default_factory=list)
+    concurrent: list[tuple[int, int]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "length": self.length,
+            "domain": self.domain,
+            "first_seq": self.first_seq,
+            "last_seq": self.last_seq,
+            "broken_at_seq": self.broken_at_seq,
+            "broken_at_line": self.broken_at_line,
+            "reason": self.reason,
+            "tampered": list(self.tampered),
+            "gaps": [list(g) for g in self.gaps],
+            "concurrent": [list(c) for c in self.concurrent],
+        }
+
+
+def read_trail(
+    store: FenceStore, domain: str, *, after_seq: int = 0, limit: int | None = None
+) -> Iterator[EffectCert]:
+    """The domain's certificates after ``after_seq`` in seq order, page by page."""
+    left = limit
+    while left is None or left > 0:
+        page = PAGE if left is None else min(PAGE, left)
+        try:
+            got = list(store.certs(domain, after_seq=after_seq, limit=page))
+        except NotImplementedError as exc:
+            raise TrailNotKept(
+                f"the {store.name} store keeps no certificate trail (it lives in one process "
+                "and forgets at exit): export from a sqlite, postgresql or redis store, or "
+                "verify a file with --file"
+            ) from exc
+        yield from got
+        if len(got) < page:
+            return
+        after_seq = got[-1].seq
+        if left is not None:
+            left -= len(got)
+
+
+def load_lines(lines: Iterable[str]) -> tuple[list[EffectCert], list[int], str]:
+    """Certificates from JSON lines (blank lines skipped): (certs, their line numbers, and
+    the first unreadable line's complaint, which ends the reading)."""
+    certs: list[EffectCert] = []
+    where: list[int] = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            certs.append(EffectCert.from_dict(json.loads(line)))
+        except (ValueError, InvalidRequest) as exc:
+            return certs, where, f"line {n} is not a certificate: {exc}"
+        where.append(n)
+    return certs, where, ""
+
+
+def load_file(path: Path) -> tuple[list[EffectCert], list[int], str]:
+    with path.open(encoding="utf-8") as f:
+        return load_lines(f)
+
+
+def check_trail(certs: list[EffectCert], lines: list[int] | None = None) -> TrailReport:
+    """Check a trail in the order given (it must be seq order)."""
+    n = len(certs)
+    if not n:
+        return TrailReport(True, 0)
+    domain = certs[0].domain
+    seqs = [c.seq for c in certs]
+    found = TrailReport(
+        True,
+        n,
+        domain,
+        seqs[0],
+        seqs[-1],
+        tampered=[c.seq for c in certs if not c.verify()],
+        gaps=[(a + 1, b - 1) for a, b in itertools.pairwise(seqs) if b - a > 1],
+    )
+
+    def broken(i: int, reason: str) -> TrailReport:
+        line = None if lines is None else lines[i]
+        return replace(found, ok=False, broken_at_seq=seqs[i], broken_at_line=line, reason=reason)
+
+    for i, c in enumerate(certs):
+        if c.domain != domain:
+            return broken(i, f"seq {c.seq} belongs to domain {c.domain!r}, not {domain!r}")
+        if i and c.seq <= seqs[i - 1]:
+            return broken(i, f"seq {c.seq} comes after seq {seqs[i - 1]}: not in seq order")
+    report = verify_chain(certs)
+    pairs = getattr(report, "concurrent", ())  # reported by the DAG-aware chain check
+    found = replace(found, concurrent=[(seqs[i], seqs[j]) for i, j in pairs])
+    if report.ok:
+        return found
+    at = report.broken_at if report.broken_at is not None else 0
+    bad = certs[at]
+    if not bad.verify():
+        return broken(
+            at, f"seq {bad.seq}: its hash does not match its fields (edited or corrupted)"
+        )
+    return broken(
+        at,
+        f"seq {bad.seq}: its parent {str(bad.parent)[:16]} does not link it to the "
+        "certificates before it (one is missing, replaced or out of place)",
+    )

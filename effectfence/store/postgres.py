@@ -1,0 +1,1372 @@
+"""The PostgreSQL store: one schema shared by every process on every host that can reach it.
+
+It decides nothing (the rules are in :mod:`effectfence.protocol`): each step of
+:mod:`effectfence.store.base` is ONE statement, ``SELECT * FROM <schema>.<step>(...)``, a
+PL/pgSQL function whose conditions are the plain comparisons the decider chose. A statement
+in autocommit is one transaction: a connection cut at any instant leaves all of the step or
+none of it, and each step costs one round trip.
+
+Design
+------
+- Tables (in the store's schema, ``?schema=name``, default ``effectfence``): ``intents``
+  (one row per record, codec columns), ``domains`` (seq and head per domain), ``fence``
+  (one row: the eviction floor), ``certs`` (append-only audit trail, written by the same
+  statement as the commit), ``audit`` (operator clears, written by the clearing statement),
+  ``meta`` (schema version, store id, sealing key). Fencing tokens
+  come from a sequence. Created on first use, under an advisory lock; versioned.
+- Locks, always in this order: the intent's row (``FOR UPDATE``), then domain rows in name
+  order (the claim's read set ``FOR SHARE``, its own domain ``FOR NO KEY UPDATE``), then
+  the ``fence`` row (only to create a domain, or to evict one). One order, no deadlock
+  between steps; ``evict_domain`` takes the fence row first and may meet a claim's read-set
+  lock the other way round, so a deadlock (or serialization) abort, which applied nothing, is
+  retried.
+- Time: ``clock_timestamp()``, read inside the step after its locks are held; never a
+  client's clock. ``clock=`` replaces it with a parameter of every statement: it exists for
+  tests (a fake clock drives leases without sleeping), never for production.
+- Sweeps cost O(expired): a partial index on ``reclaim_at`` holds only finite deadlines.
+- ``wait_for_change``: every transition ``NOTIFY``s the schema's channel with the md5 of the
+  intent; waiters ``LISTEN`` on one dedicated connection per store object.
+- Durability: every statement commits with ``synchronous_commit`` on. A session found with
+  it off (server or role default) is switched on, and :meth:`PostgresStore.describe` says so.
+
+Errors: a connection that cannot be had, or a step the server refused before it applied,
+raises :class:`~effectfence.errors.StoreUnavailable` ("nothing was decided"). A connection
+lost while a step ran may have lost only the reply: ticket steps then re-read the record and
+answer from what the store holds (see :meth:`PostgresStore._reconcile`), a claim answers
+unavailable (a lease it may have taken lapses like a crashed holder's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import re
+import secrets
+import select
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import psycopg
+import psycopg.errors
+import psycopg_pool
+from psycopg import sql
+
+from effectfence.errors import StoreUnavailable
+from effectfence.protocol import IntentRecord, State
+from effectfence.store._waiters import Waiters
+from effectfence.store.base import (
+    APPLIED,
+    BUSY,
+    EMPTY_HEAD,
+    MOVED,
+    RACE,
+    STALE,
+    FenceStore,
+    Head,
+    Step,
+)
+from effectfence.store.codec import (
+    NEVER,
+    RECORD_FIELDS,
+    cert_from_json,
+    cert_to_json,
+    entry_from_json,
+    entry_to_json,
+)
+
+__all__ = ["DEFAULT_SCHEMA", "SCHEMA_VERSION", "PostgresStore", "StoreSchemaError"]
+
+#: the schema this code writes; a schema with a newer version is refused, never half-read.
+#: 2: the ``audit`` table and ``clear_if`` (an older schema gains them when next opened)
+SCHEMA_VERSION = 2
+DEFAULT_SCHEMA = "effectfence"
+DEFAULT_POOL_MAX = 8
+#: seconds to wait for a pooled connection (or a new one) before reporting unavailable
+DEFAULT_TIMEOUT = 10.0
+_CERT_CACHE = 4096
+_SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,40}$")
+_STATES = {s.value: s for s in State}
+_F = ", ".join(RECORD_FIELDS)
+#: the record columns a step function returns for the record it found (intent is known)
+_FOUND = RECORD_FIELDS[1:]
+#: deadlock or serialization failure: the transaction was rolled back, safe to run again
+_RETRY_SQLSTATES = {"40P01", "40001"}
+_MAX_RETRIES = 5
+
+# Every step function: {s} is the quoted schema, {ch} the NOTIFY channel (a literal).
+# ``now`` is the server's clock_timestamp() unless a test passes p_now.
+_DDL = """
+CREATE SCHEMA IF NOT EXISTS {s};
+CREATE TABLE IF NOT EXISTS {s}.meta (key text PRIMARY KEY, value text NOT NULL);
+CREATE TABLE IF NOT EXISTS {s}.fence (
+    id int PRIMARY KEY CHECK (id = 0),
+    floor bigint NOT NULL              -- where new domains start (raised by evictions, G5)
+);
+INSERT INTO {s}.fence (id, floor) VALUES (0, 0) ON CONFLICT DO NOTHING;
+CREATE SEQUENCE IF NOT EXISTS {s}.tokens;
+CREATE TABLE IF NOT EXISTS {s}.intents (
+    intent text PRIMARY KEY,
+    state text NOT NULL,
+    token bigint NOT NULL,
+    fingerprint bytea NOT NULL,
+    domain text NOT NULL,
+    agent text NOT NULL,
+    lease_until float8 NOT NULL,
+    cert bytea,
+    until float8 NOT NULL,
+    reason text NOT NULL,
+    since float8 NOT NULL,
+    seq bigint NOT NULL,
+    reclaim_at float8 NOT NULL
+);
+-- partial: only records a sweep will reclaim are indexed, so a sweep reads O(expired)
+CREATE INDEX IF NOT EXISTS intents_reclaim ON {s}.intents (reclaim_at) WHERE reclaim_at < 1e300;
+CREATE INDEX IF NOT EXISTS intents_in_flight ON {s}.intents (domain) WHERE state = 'in_flight';
+CREATE TABLE IF NOT EXISTS {s}.domains (
+    domain text PRIMARY KEY,
+    seq bigint NOT NULL,
+    head text,                         -- hash of the last committed certificate
+    clock jsonb                        -- merged vector clock of the commits
+);
+CREATE TABLE IF NOT EXISTS {s}.certs (
+    domain text NOT NULL,
+    seq bigint NOT NULL,
+    hash text NOT NULL,
+    cert bytea NOT NULL,
+    committed_at float8 NOT NULL,
+    keep_until float8 NOT NULL,
+    PRIMARY KEY (domain, seq)
+);
+CREATE INDEX IF NOT EXISTS certs_keep ON {s}.certs (keep_until) WHERE keep_until < 1e300;
+-- the operator's audit trail: who cleared what and why, written by the statement that
+-- cleared it (schema version 2); kept forever, clears are rare
+CREATE TABLE IF NOT EXISTS {s}.audit (
+    id bigserial PRIMARY KEY,
+    intent text NOT NULL,
+    at float8 NOT NULL,
+    entry text NOT NULL                -- JSON (codec.entry_to_json)
+);
+CREATE INDEX IF NOT EXISTS audit_intent ON {s}.audit (intent, id);
+
+CREATE OR REPLACE FUNCTION {s}.now_(p_now float8) RETURNS float8 LANGUAGE sql VOLATILE AS $$
+    SELECT coalesce(p_now, extract(epoch FROM clock_timestamp())::float8) $$;
+
+-- a deadline as stored: "never" is 1e300 (codec.NEVER)
+CREATE OR REPLACE FUNCTION {s}.deadline_(t float8) RETURNS float8 LANGUAGE sql IMMUTABLE AS $$
+    SELECT least(t, 1e300::float8) $$;
+
+-- the element-wise maximum of two vector clocks (clock.merge_counts)
+CREATE OR REPLACE FUNCTION {s}.merge_(a jsonb, b jsonb) RETURNS jsonb LANGUAGE sql IMMUTABLE AS $$
+    SELECT coalesce(jsonb_object_agg(k, m), '{{}}'::jsonb) FROM (
+        SELECT k, max(v::numeric) AS m FROM (
+            SELECT key AS k, value AS v FROM jsonb_each_text(coalesce(a, '{{}}'::jsonb))
+            UNION ALL SELECT key, value FROM jsonb_each_text(coalesce(b, '{{}}'::jsonb))
+        ) x GROUP BY k
+    ) y $$;
+
+-- a domain's seq; an absent domain is at the floor
+CREATE OR REPLACE FUNCTION {s}.at_(p_domain text) RETURNS bigint LANGUAGE sql STABLE AS $$
+    SELECT coalesce((SELECT seq FROM {s}.domains WHERE domain = p_domain),
+                    (SELECT floor FROM {s}.fence WHERE id = 0)) $$;
+
+-- lock the rows of a step's domains in name order: its own for update, the others for share
+CREATE OR REPLACE FUNCTION {s}.lock_domains_(p_own text, p_others text[])
+RETURNS void LANGUAGE plpgsql AS $$
+DECLARE d text;
+BEGIN
+    FOR d IN SELECT DISTINCT x FROM unnest(p_others || p_own) x ORDER BY x LOOP
+        IF d = p_own THEN
+            PERFORM 1 FROM {s}.domains WHERE domain = d FOR NO KEY UPDATE;
+        ELSE
+            PERFORM 1 FROM {s}.domains WHERE domain = d FOR SHARE;
+        END IF;
+    END LOOP;
+END $$;
+
+-- the first compared (domain, seq) that does not hold, if any
+CREATE OR REPLACE FUNCTION {s}.compare_(p_domains text[], p_seqs bigint[],
+    OUT s_domain text, OUT s_want bigint, OUT s_got bigint)
+LANGUAGE plpgsql AS $$
+DECLARE i int; v bigint;
+BEGIN
+    FOR i IN 1 .. coalesce(array_length(p_domains, 1), 0) LOOP
+        v := {s}.at_(p_domains[i]);
+        IF v <> p_seqs[i] THEN
+            s_domain := p_domains[i]; s_want := p_seqs[i]; s_got := v; RETURN;
+        END IF;
+    END LOOP;
+END $$;
+
+CREATE OR REPLACE FUNCTION {s}.claim(
+    p_intent text, p_expect boolean, p_token bigint, p_state text, p_lease_until float8,
+    p_until float8, p_fp bytea, p_domain text, p_agent text, p_lease_ttl float8,
+    p_reclaim_after float8, p_cmp_domains text[], p_cmp_seqs bigint[], p_reserve_at bigint,
+    p_now float8,
+    OUT outcome text, OUT f_state text, OUT f_token bigint, OUT f_fingerprint bytea,
+    OUT f_domain text, OUT f_agent text, OUT f_lease_until float8, OUT f_cert bytea,
+    OUT f_until float8, OUT f_reason text, OUT f_since float8, OUT f_seq bigint,
+    OUT f_reclaim_at float8, OUT r_token bigint, OUT r_seq bigint, OUT r_now float8,
+    OUT h_hash text, OUT h_clock jsonb, OUT s_domain text, OUT s_want bigint, OUT s_got bigint)
+LANGUAGE plpgsql AS $$
+DECLARE
+    cur {s}.intents%ROWTYPE;
+    have boolean;
+    v_seq bigint;
+    v_floor bigint;
+    done boolean := false;
+BEGIN
+    -- condition 1, slot: the record is the version the decider observed (base.same_record)
+    SELECT * INTO cur FROM {s}.intents WHERE intent = p_intent FOR UPDATE;
+    have := FOUND;
+    IF have THEN
+        SELECT cur.state, cur.token, cur.fingerprint, cur.domain, cur.agent, cur.lease_until,
+               cur.cert, cur.until, cur.reason, cur.since, cur.seq, cur.reclaim_at
+          INTO f_state, f_token, f_fingerprint, f_domain, f_agent, f_lease_until, f_cert,
+               f_until, f_reason, f_since, f_seq, f_reclaim_at;
+    END IF;
+    IF have <> p_expect OR (have AND NOT (cur.token = p_token AND cur.state = p_state
+            AND cur.lease_until = p_lease_until AND cur.until = p_until)) THEN
+        outcome := 'moved'; RETURN;
+    END IF;
+    -- the read set's rows for share, the own domain's for update, in name order
+    IF cardinality(p_cmp_domains) > 0 THEN
+        PERFORM {s}.lock_domains_(p_domain, p_cmp_domains);
+    END IF;
+    -- condition 2, compare: every (domain, seq) of the read set holds
+    SELECT c.s_domain, c.s_want, c.s_got INTO s_domain, s_want, s_got
+      FROM {s}.compare_(p_cmp_domains, p_cmp_seqs) c;
+    IF s_domain IS NOT NULL THEN outcome := 'stale'; RETURN; END IF;
+    -- condition 3, reserve: compare-exchange at p_reserve_at, else the next seq
+    WHILE NOT done LOOP
+        SELECT seq, head, clock INTO v_seq, h_hash, h_clock FROM {s}.domains
+         WHERE domain = p_domain FOR NO KEY UPDATE;
+        IF FOUND THEN
+            IF p_reserve_at IS NOT NULL AND v_seq <> p_reserve_at THEN
+                outcome := 'race'; s_domain := p_domain; s_want := p_reserve_at; s_got := v_seq;
+                RETURN;
+            END IF;
+            UPDATE {s}.domains SET seq = v_seq + 1 WHERE domain = p_domain;
+            r_seq := v_seq + 1; done := true;
+        ELSE
+            -- a new domain starts at the floor: hold the fence row so no eviction moves it
+            SELECT floor INTO v_floor FROM {s}.fence WHERE id = 0 FOR SHARE;
+            IF p_reserve_at IS NOT NULL AND v_floor <> p_reserve_at THEN
+                -- lost without creating the domain (G7)
+                outcome := 'race'; s_domain := p_domain; s_want := p_reserve_at; s_got := v_floor;
+                RETURN;
+            END IF;
+            INSERT INTO {s}.domains (domain, seq) VALUES (p_domain, v_floor + 1)
+                ON CONFLICT (domain) DO NOTHING;
+            IF FOUND THEN
+                r_seq := v_floor + 1; done := true;
+            ELSE  -- created meanwhile by another claim: lock it and look again
+                PERFORM 1 FROM {s}.domains WHERE domain = p_domain FOR NO KEY UPDATE;
+            END IF;
+        END IF;
+    END LOOP;
+    r_token := nextval('{s}.tokens');
+    r_now := {s}.now_(p_now);
+    IF have THEN
+        UPDATE {s}.intents SET state = 'in_flight', token = r_token, fingerprint = p_fp,
+            domain = p_domain, agent = p_agent,
+            lease_until = {s}.deadline_(r_now + p_lease_ttl), cert = NULL, until = 0,
+            reason = '', since = 0, seq = r_seq,
+            reclaim_at = {s}.deadline_(r_now + p_reclaim_after)
+         WHERE intent = p_intent;
+    ELSE
+        INSERT INTO {s}.intents ({f}) VALUES (p_intent, 'in_flight', r_token, p_fp, p_domain,
+            p_agent, {s}.deadline_(r_now + p_lease_ttl), NULL, 0, '', 0, r_seq,
+            {s}.deadline_(r_now + p_reclaim_after))
+        ON CONFLICT (intent) DO NOTHING;
+        IF NOT FOUND THEN
+            -- another claim inserted it first (condition 1 judged the slot empty): undo this
+            -- reservation by raising, which rolls the whole statement back, and report
+            RAISE EXCEPTION USING ERRCODE = 'EF001', MESSAGE = 'effectfence: slot taken';
+        END IF;
+    END IF;
+    PERFORM pg_notify({ch}, md5(p_intent));
+    outcome := 'applied';
+END $$;
+
+CREATE OR REPLACE FUNCTION {s}.complete(
+    p_intent text, p_token bigint, p_cert bytea, p_hash text, p_clock jsonb,
+    p_result_ttl float8, p_reclaim_after float8, p_cmp_domains text[], p_cmp_seqs bigint[],
+    p_own_seq bigint, p_stale_reason text, p_stale_reclaim_after float8, p_keep float8,
+    p_now float8,
+    OUT outcome text, OUT f_state text, OUT f_token bigint, OUT f_fingerprint bytea,
+    OUT f_domain text, OUT f_agent text, OUT f_lease_until float8, OUT f_cert bytea,
+    OUT f_until float8, OUT f_reason text, OUT f_since float8, OUT f_seq bigint,
+    OUT f_reclaim_at float8, OUT r_now float8,
+    OUT s_domain text, OUT s_want bigint, OUT s_got bigint)
+LANGUAGE plpgsql AS $$
+DECLARE
+    cur {s}.intents%ROWTYPE;
+    v bigint;
+BEGIN
+    SELECT * INTO cur FROM {s}.intents WHERE intent = p_intent FOR UPDATE;
+    IF FOUND THEN
+        SELECT cur.state, cur.token, cur.fingerprint, cur.domain, cur.agent, cur.lease_until,
+               cur.cert, cur.until, cur.reason, cur.since, cur.seq, cur.reclaim_at
+          INTO f_state, f_token, f_fingerprint, f_domain, f_agent, f_lease_until, f_cert,
+               f_until, f_reason, f_since, f_seq, f_reclaim_at;
+    END IF;
+    -- compare-by-token: in flight under this token
+    IF NOT FOUND OR cur.state <> 'in_flight' OR cur.token <> p_token THEN
+        outcome := 'moved'; RETURN;
+    END IF;
+    IF cardinality(p_cmp_domains) > 0 OR p_own_seq IS NOT NULL THEN
+        PERFORM {s}.lock_domains_(cur.domain, p_cmp_domains);
+    END IF;
+    SELECT c.s_domain, c.s_want, c.s_got INTO s_domain, s_want, s_got
+      FROM {s}.compare_(p_cmp_domains, p_cmp_seqs) c;
+    IF s_domain IS NULL AND p_own_seq IS NOT NULL THEN
+        v := {s}.at_(cur.domain);
+        IF v <> p_own_seq THEN s_domain := cur.domain; s_want := p_own_seq; s_got := v; END IF;
+    END IF;
+    r_now := {s}.now_(p_now);
+    IF s_domain IS NOT NULL THEN
+        -- a dependency moved while the effect ran: FAILED, not DONE
+        UPDATE {s}.intents SET state = 'failed', lease_until = 0, cert = NULL, until = 0,
+            reason = p_stale_reason, since = r_now,
+            reclaim_at = {s}.deadline_(r_now + p_stale_reclaim_after)
+         WHERE intent = p_intent;
+        PERFORM pg_notify({ch}, md5(p_intent));
+        outcome := 'stale'; RETURN;
+    END IF;
+    UPDATE {s}.intents SET state = 'done', lease_until = 0, cert = p_cert,
+        until = {s}.deadline_(r_now + p_result_ttl), reason = '', since = 0,
+        reclaim_at = {s}.deadline_(r_now + p_reclaim_after)
+     WHERE intent = p_intent;
+    UPDATE {s}.domains SET head = p_hash, clock = {s}.merge_(clock, p_clock)
+     WHERE domain = cur.domain;
+    INSERT INTO {s}.certs (domain, seq, hash, cert, committed_at, keep_until)
+        VALUES (cur.domain, cur.seq, p_hash, p_cert, r_now,
+                {s}.deadline_(r_now + p_result_ttl + p_keep));
+    PERFORM pg_notify({ch}, md5(p_intent));
+    outcome := 'applied';
+END $$;
+
+-- fail, release, renew: compare-by-token on the in-flight record
+CREATE OR REPLACE FUNCTION {s}.finish(
+    p_intent text, p_token bigint, p_op text, p_reason text, p_lease_ttl float8,
+    p_reclaim_after float8, p_now float8,
+    OUT outcome text, OUT f_state text, OUT f_token bigint, OUT f_fingerprint bytea,
+    OUT f_domain text, OUT f_agent text, OUT f_lease_until float8, OUT f_cert bytea,
+    OUT f_until float8, OUT f_reason text, OUT f_since float8, OUT f_seq bigint,
+    OUT f_reclaim_at float8, OUT r_now float8)
+LANGUAGE plpgsql AS $$
+DECLARE cur {s}.intents%ROWTYPE;
+BEGIN
+    SELECT * INTO cur FROM {s}.intents WHERE intent = p_intent FOR UPDATE;
+    IF FOUND THEN
+        SELECT cur.state, cur.token, cur.fingerprint, cur.domain, cur.agent, cur.lease_until,
+               cur.cert, cur.until, cur.reason, cur.since, cur.seq, cur.reclaim_at
+          INTO f_state, f_token, f_fingerprint, f_domain, f_agent, f_lease_until, f_cert,
+               f_until, f_reason, f_since, f_seq, f_reclaim_at;
+    END IF;
+    IF NOT FOUND OR cur.state <> 'in_flight' OR cur.token <> p_token THEN
+        outcome := 'moved'; RETURN;
+    END IF;
+    r_now := {s}.now_(p_now);
+    IF p_op = 'release' THEN
+        DELETE FROM {s}.intents WHERE intent = p_intent;
+    ELSIF p_op = 'fail' THEN
+        UPDATE {s}.intents SET state = 'failed', lease_until = 0, reason = p_reason,
+            since = r_now, reclaim_at = {s}.deadline_(r_now + p_reclaim_after)
+         WHERE intent = p_intent;
+    ELSE  -- renew
+        UPDATE {s}.intents SET lease_until = {s}.deadline_(r_now + p_lease_ttl),
+            reclaim_at = {s}.deadline_(r_now + p_reclaim_after)
+         WHERE intent = p_intent;
+    END IF;
+    PERFORM pg_notify({ch}, md5(p_intent));
+    outcome := 'applied';
+END $$;
+
+CREATE OR REPLACE FUNCTION {s}.clear(p_intent text) RETURNS SETOF {s}.intents
+LANGUAGE plpgsql AS $$
+BEGIN
+    RETURN QUERY DELETE FROM {s}.intents WHERE intent = p_intent RETURNING *;
+    IF FOUND THEN PERFORM pg_notify({ch}, md5(p_intent)); END IF;
+END $$;
+
+-- the operator's clear: compare-and-delete of the version the decider judged
+-- (base.same_record), and its audit entry, in one statement
+CREATE OR REPLACE FUNCTION {s}.clear_if(
+    p_intent text, p_token bigint, p_state text, p_lease_until float8, p_until float8,
+    p_entry text, p_now float8,
+    OUT outcome text, OUT f_state text, OUT f_token bigint, OUT f_fingerprint bytea,
+    OUT f_domain text, OUT f_agent text, OUT f_lease_until float8, OUT f_cert bytea,
+    OUT f_until float8, OUT f_reason text, OUT f_since float8, OUT f_seq bigint,
+    OUT f_reclaim_at float8, OUT a_id bigint, OUT a_at float8)
+LANGUAGE plpgsql AS $$
+DECLARE cur {s}.intents%ROWTYPE; have boolean;
+BEGIN
+    SELECT * INTO cur FROM {s}.intents WHERE intent = p_intent FOR UPDATE;
+    have := FOUND;
+    IF have THEN
+        SELECT cur.state, cur.token, cur.fingerprint, cur.domain, cur.agent, cur.lease_until,
+               cur.cert, cur.until, cur.reason, cur.since, cur.seq, cur.reclaim_at
+          INTO f_state, f_token, f_fingerprint, f_domain, f_agent, f_lease_until, f_cert,
+               f_until, f_reason, f_since, f_seq, f_reclaim_at;
+    END IF;
+    IF NOT have OR NOT (cur.token = p_token AND cur.state = p_state
+            AND cur.lease_until = p_lease_until AND cur.until = p_until) THEN
+        outcome := 'moved'; RETURN;
+    END IF;
+    a_at := {s}.now_(p_now);
+    DELETE FROM {s}.intents WHERE intent = p_intent;
+    INSERT INTO {s}.audit (intent, at, entry) VALUES (p_intent, a_at, p_entry)
+        RETURNING id INTO a_id;
+    PERFORM pg_notify({ch}, md5(p_intent));
+    outcome := 'applied';
+END $$;
+
+CREATE OR REPLACE FUNCTION {s}.evict_domain(p_domain text, OUT outcome text, OUT n bigint)
+LANGUAGE plpgsql AS $$
+DECLARE v_seq bigint;
+BEGIN
+    -- the fence row first: no claim creates a domain from the floor while it moves
+    PERFORM 1 FROM {s}.fence WHERE id = 0 FOR NO KEY UPDATE;
+    SELECT seq INTO v_seq FROM {s}.domains WHERE domain = p_domain FOR UPDATE;
+    IF NOT FOUND THEN outcome := 'applied'; RETURN; END IF;
+    SELECT count(*) INTO n FROM {s}.intents WHERE domain = p_domain AND state = 'in_flight';
+    IF n > 0 THEN outcome := 'busy'; RETURN; END IF;
+    DELETE FROM {s}.domains WHERE domain = p_domain;
+    -- above every seq the domain handed out: no (domain, seq) pair matches again (G5)
+    UPDATE {s}.fence SET floor = greatest(floor, v_seq + 1) WHERE id = 0;
+    outcome := 'applied'; n := v_seq;
+END $$;
+
+-- delete up to p_limit records whose deadline passed, and certificates past retention
+CREATE OR REPLACE FUNCTION {s}.sweep(p_limit int, p_now float8) RETURNS int
+LANGUAGE plpgsql AS $$
+DECLARE t float8 := {s}.now_(p_now); n int;
+BEGIN
+    DELETE FROM {s}.intents WHERE intent IN (
+        SELECT intent FROM {s}.intents WHERE reclaim_at <= t AND reclaim_at < 1e300
+         ORDER BY reclaim_at LIMIT p_limit FOR UPDATE SKIP LOCKED)
+      AND reclaim_at <= t;  -- re-checked on the version locked: only the one that set it
+    GET DIAGNOSTICS n = ROW_COUNT;
+    DELETE FROM {s}.certs WHERE (domain, seq) IN (
+        SELECT domain, seq FROM {s}.certs WHERE keep_until <= t AND keep_until < 1e300
+         ORDER BY keep_until LIMIT p_limit FOR UPDATE SKIP LOCKED);
+    RETURN n;
+END $$;
+"""
+
+
+class StoreSchemaError(RuntimeError):
+    """The schema was written by a newer effectfence, or is not a fence store."""
+
+    def __init__(self, message: str, *, schema: str, found: Any, supported: int) -> None:
+        super().__init__(message)
+        self.schema = schema
+        self.found = found
+        self.supported = supported
+
+
+class _Lost(Exception):
+    """The connection broke while a step ran: it may or may not have applied."""
+
+
+def _split_url(url: str) -> tuple[str, dict[str, str]]:
+    """Take this store's options (``schema``, ``pool_max``, ``timeout``, ``cert_retention``)
+    out of a libpq URL; everything else (sslmode, connect_timeout, ...) stays for libpq."""
+    parts = urlsplit(url)
+    if parts.scheme.lower() not in ("postgresql", "postgres"):
+        raise ValueError(
+            f"a PostgreSQL store URL looks like postgresql://user@host/db, got {_redact(url)!r}"
+        )
+    ours: dict[str, str] = {}
+    theirs: list[tuple[str, str]] = []
+    for k, v in parse_qsl(parts.query, keep_blank_values=True):
+        if k in ("schema", "pool_max", "pool_min", "timeout", "cert_retention"):
+            ours[k] = v
+        else:
+            theirs.append((k, v))
+    conninfo = urlunsplit(
+        (parts.scheme, parts.netloc, parts.path, urlencode(theirs), parts.fragment)
+    )
+    return conninfo, ours
+
+
+def _redact(conninfo: str) -> str:
+    parts = urlsplit(conninfo)
+    if parts.password is None:
+        return conninfo
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def _deadline(t: Any) -> float:
+    return math.inf if t >= NEVER else float(t)
+
+
+class PostgresStore(FenceStore):
+    """Durable store in one PostgreSQL schema, shared by every process that reaches it.
+
+    ``conninfo``: a libpq URL or DSN; or ``pool``: a :class:`psycopg_pool.ConnectionPool`
+    of your own (its connections are used in autocommit; the store does not close it).
+    ``schema``: where the tables live (created on first use). ``cert_retention``: seconds a
+    certificate stays in the audit trail after its result expires (None: forever).
+    ``clock``: for tests only, replaces the server's ``clock_timestamp()`` in every step.
+    """
+
+    name = "postgresql"
+    counters_backend = "sql"
+    shared = True
+
+    def __init__(
+        self,
+        conninfo: str | None = None,
+        *,
+        pool: psycopg_pool.ConnectionPool[Any] | None = None,
+        schema: str = DEFAULT_SCHEMA,
+        pool_min: int = 1,
+        pool_max: int = DEFAULT_POOL_MAX,
+        timeout: float = DEFAULT_TIMEOUT,
+        cert_retention: float | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        if (conninfo is None) == (pool is None):
+            raise ValueError("give a PostgreSQL store either conninfo or pool, not both")
+        if not _SCHEMA_NAME.match(schema):
+            raise ValueError(f"schema must match {_SCHEMA_NAME.pattern}, got {schema!r}")
+        if cert_retention is not None and not cert_retention >= 0:
+            raise ValueError("cert_retention must be >= 0 seconds, or None to keep forever")
+        if not timeout > 0:
+            raise ValueError("timeout must be > 0 seconds")
+        self.schema = schema
+        self.timeout = float(timeout)
+        self.cert_retention = math.inf if cert_retention is None else float(cert_retention)
+        self._clock = clock
+        self._channel = f"effectfence_{schema}"
+        self._closed = False
+        self._notes: list[str] = []  # what the connect-time checks found and changed
+        self._checked: weakref.WeakSet[psycopg.Connection[Any]] = weakref.WeakSet()
+        self._checked_lock = threading.Lock()
+        self._cert_cache: dict[bytes, Any] = {}
+        self._key: bytes | None = None
+        self._own_pool = pool is None
+        if pool is None:
+            assert conninfo is not None
+            self._conninfo = conninfo
+            try:
+                pool = psycopg_pool.ConnectionPool(
+                    conninfo,
+                    min_size=pool_min,
+                    max_size=max(pool_min, pool_max),
+                    kwargs={"autocommit": True},
+                    configure=self._configure,
+                    timeout=self.timeout,
+                    name=f"effectfence-{schema}",
+                    open=False,
+                )
+                pool.open(wait=True, timeout=self.timeout)
+            except (psycopg.Error, psycopg_pool.PoolTimeout) as exc:
+                with contextlib.suppress(Exception):
+                    pool.close()  # type: ignore[union-attr]
+                raise StoreUnavailable(
+                    f"can't connect to PostgreSQL at {_redact(conninfo)}: {exc}",
+                    operation="open",
+                ) from exc
+        else:
+            info = pool.conninfo
+            self._conninfo = info if isinstance(info, str) else info()
+        self._pool: psycopg_pool.ConnectionPool[Any] = pool
+        self._s = sql.Identifier(schema)
+        self._prepare_sql()
+        self._waiters = Waiters()
+        self._listener: threading.Thread | None = None
+        self._listen_conn: psycopg.Connection[Any] | None = None
+        self._listener_lock = threading.Lock()
+        try:
+            self.store_id = self._init_schema()
+        except BaseException:
+            self.close()
+            raise
+        self.ticket_scope = f"postgresql:{self.store_id}"
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> PostgresStore:
+        """``postgresql://user@host/db?schema=fence&pool_max=8&timeout=10&cert_retention=…``;
+        keywords win over the query; other query parameters go to libpq."""
+        conninfo, query = _split_url(url)
+        opts: dict[str, Any] = {}
+        for key, value in query.items():
+            try:
+                if key == "schema":
+                    opts[key] = value
+                elif key in ("pool_min", "pool_max"):
+                    opts[key] = int(value)
+                else:
+                    opts[key] = float(value)
+            except ValueError:
+                raise ValueError(f"{key} in {_redact(url)} must be a number") from None
+        opts.update(options)
+        if "pool" in opts:
+            return cls(**opts)
+        return cls(conninfo, **opts)
+
+    def __repr__(self) -> str:
+        return f"PostgresStore(url={_redact(self._conninfo)!r}, schema={self.schema!r})"
+
+    # -- connections --------------------------------------------------------------------------
+    def _configure(self, conn: psycopg.Connection[Any]) -> None:
+        """On every new connection: never commit without waiting for the WAL flush."""
+        setting = str(conn.execute("SHOW synchronous_commit").fetchone()[0])  # type: ignore[index]
+        if setting == "off":
+            conn.execute("SET synchronous_commit = on")
+            note = (
+                "synchronous_commit was off for this role/database: effectfence sets it on "
+                "for its own sessions (a commit it reports survives a server crash)"
+            )
+            if note not in self._notes:
+                self._notes.append(note)
+        if not conn.autocommit:
+            conn.commit()
+        with self._checked_lock:
+            self._checked.add(conn)
+
+    @contextlib.contextmanager
+    def _conn(self, op: str) -> Iterator[psycopg.Connection[Any]]:
+        """A pooled connection in autocommit; unavailable if none comes within ``timeout``."""
+        if self._closed:
+            raise StoreUnavailable(f"the PostgreSQL store {self.schema!r} is closed", operation=op)
+        try:
+            cm = self._pool.connection(timeout=self.timeout)
+            conn = cm.__enter__()
+        except (psycopg.Error, psycopg_pool.PoolTimeout, psycopg_pool.PoolClosed) as exc:
+            raise self._unavailable(op, exc) from exc
+        try:
+            if conn not in self._checked:  # a pool of the caller's: check it here, once
+                if not conn.autocommit:
+                    conn.autocommit = True
+                self._configure(conn)
+            yield conn
+        except BaseException as exc:
+            cm.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        else:
+            cm.__exit__(None, None, None)
+
+    def _unavailable(self, op: str, exc: BaseException) -> StoreUnavailable:
+        return StoreUnavailable(
+            f"the PostgreSQL store {self.schema!r} failed during {op}: {exc}; nothing was decided",
+            operation=op,
+        )
+
+    def _run(self, op: str, query: Any, params: Sequence[Any]) -> list[Any]:
+        """One statement: its rows. Raises StoreUnavailable when it certainly did not apply
+        (no connection, an error the server answered), :class:`_Lost` when the connection
+        broke while it ran. A deadlock or serialization abort applied nothing: run again."""
+        for attempt in range(_MAX_RETRIES):
+            with self._conn(op) as conn:
+                if _hung_up(conn) and attempt + 1 < _MAX_RETRIES:
+                    conn.close()  # the pool drops it; nothing was sent on it
+                    continue
+                try:
+                    return self._execute(conn, query, params)
+                except psycopg.Error as exc:
+                    if conn.broken or conn.closed:
+                        raise _Lost(str(exc)) from exc
+                    if exc.sqlstate in _RETRY_SQLSTATES and attempt + 1 < _MAX_RETRIES:
+                        continue
+                    if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
+                        raise self._unavailable(op, exc) from exc
+                    raise
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _execute(conn: psycopg.Connection[Any], query: Any, params: Sequence[Any]) -> list[Any]:
+        """The one place a statement reaches the server (tests wrap it to inject faults)."""
+        cur = conn.execute(query, params, binary=True)
+        return cur.fetchall() if cur.description is not None else []
+
+    def _read(self, op: str, query: Any, params: Sequence[Any]) -> list[Any]:
+        """A read: it changes nothing, so a broken connection is retried once on another."""
+        try:
+            return self._run(op, query, params)
+        except _Lost:
+            try:
+                return self._run(op, query, params)
+            except _Lost as exc:
+                raise self._unavailable(op, exc) from exc
+
+    # -- schema -------------------------------------------------------------------------------
+    def _prepare_sql(self) -> None:
+        s = self._s
+        q = sql.SQL
+        self._q_get = q("SELECT " + _F + " FROM {}.intents WHERE intent = %s").format(s)
+        self._q_read = q(
+            "SELECT {}.now_(%s::float8), " + ", ".join(f"i.{c}" for c in RECORD_FIELDS) + " "
+            "FROM (SELECT 1) AS one LEFT JOIN {}.intents i ON i.intent = %s"
+        ).format(s, s)
+        self._q_now = q("SELECT {}.now_(%s::float8)").format(s)
+        self._q_at = q("SELECT {}.at_(%s)").format(s)
+        self._q_in_flight = q(
+            "SELECT count(*) FROM {}.intents WHERE domain = %s AND state = 'in_flight'"
+        ).format(s)
+        self._q_claim = q(
+            "SELECT * FROM {}.claim(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, "
+            "%s::text[], %s::bigint[], %s::bigint, %s::float8)"
+        ).format(s)
+        self._q_complete = q(
+            "SELECT * FROM {}.complete(%s, %s, %s, %s, %s::jsonb, %s, %s, %s::text[], "
+            "%s::bigint[], %s::bigint, %s, %s, %s, %s::float8)"
+        ).format(s)
+        self._q_finish = q(
+            "SELECT * FROM {}.finish(%s, %s, %s, %s, %s::float8, %s::float8, %s::float8)"
+        ).format(s)
+        self._q_clear = q("SELECT " + _F + " FROM {}.clear(%s)").format(s)
+        self._q_clear_if = q(
+            "SELECT * FROM {}.clear_if(%s, %s, %s, %s::float8, %s::float8, %s, %s::float8)"
+        ).format(s)
+        self._q_evict = q("SELECT * FROM {}.evict_domain(%s)").format(s)
+        self._q_sweep = q("SELECT {}.sweep(%s, %s::float8)").format(s)
+        self._q_certs = q(
+            "SELECT cert FROM {}.certs WHERE domain = %s AND seq > %s ORDER BY seq LIMIT %s"
+        ).format(s)
+
+    def _init_schema(self) -> str:
+        """Create the schema on first use (once, under an advisory lock), refuse a newer one."""
+        s = self._s
+        key = int.from_bytes(hashlib.sha256(b"effectfence:" + self.schema.encode()).digest()[:8])
+        key -= 1 << 63  # a signed bigint
+        with self._conn("open") as conn:
+            try:
+                with conn.transaction():
+                    conn.execute("SELECT pg_advisory_xact_lock(%s)", (key,))
+                    exists = conn.execute(
+                        "SELECT to_regclass(%s) IS NOT NULL, "
+                        "EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = %s)",
+                        (f"{self.schema}.meta", self.schema),
+                    ).fetchone()
+                    assert exists is not None
+                    found: Any = None
+                    if exists[0]:
+                        row = conn.execute(
+                            sql.SQL(
+                                "SELECT value FROM {}.meta WHERE key = 'schema_version'"
+                            ).format(s)
+                        ).fetchone()
+                        found = None if row is None else row[0]
+                        if found is None or not str(found).isdigit() or int(found) > SCHEMA_VERSION:
+                            raise StoreSchemaError(
+                                f"schema {self.schema!r} has effectfence schema version "
+                                f"{found!r}; this effectfence reads version {SCHEMA_VERSION}: "
+                                "upgrade effectfence (or use another ?schema=)",
+                                schema=self.schema,
+                                found=found,
+                                supported=SCHEMA_VERSION,
+                            )
+                    elif exists[1]:
+                        tables = conn.execute(
+                            "SELECT count(*) FROM pg_tables WHERE schemaname = %s", (self.schema,)
+                        ).fetchone()
+                        if tables and tables[0]:
+                            raise StoreSchemaError(
+                                f"schema {self.schema!r} exists but is not an effectfence "
+                                "store (it has tables but no meta)",
+                                schema=self.schema,
+                                found=None,
+                                supported=SCHEMA_VERSION,
+                            )
+                    if found is None or int(found) < SCHEMA_VERSION:
+                        ddl = _DDL.format(s=f'"{self.schema}"', f=_F, ch=f"'{self._channel}'")
+                        conn.execute(ddl.encode())
+                        conn.execute(
+                            sql.SQL(
+                                "INSERT INTO {}.meta (key, value) VALUES ('schema_version', %s), "
+                                "('store_id', %s) ON CONFLICT (key) DO UPDATE SET value = "
+                                "CASE WHEN {}.meta.key = 'schema_version' THEN excluded.value "
+                                "ELSE {}.meta.value END"
+                            ).format(s, s, s),
+                            (str(SCHEMA_VERSION), secrets.token_hex(16)),
+                        )
+                    row = conn.execute(
+                        sql.SQL("SELECT value FROM {}.meta WHERE key = 'store_id'").format(s)
+                    ).fetchone()
+                    assert row is not None
+                    return str(row[0])
+            except psycopg.OperationalError as exc:
+                raise self._unavailable("open", exc) from exc
+
+    def describe(self) -> dict[str, Any]:
+        """Name, place and durability, for ``effectfence info --store`` and stats."""
+        settings: dict[str, Any] = {}
+        with contextlib.suppress(StoreUnavailable, _Lost):
+            rows = self._run(
+                "describe",
+                "SELECT current_setting('synchronous_commit'), current_setting('fsync'), "
+                "current_setting('server_version'), current_database()",
+                (),
+            )
+            sc, fsync, version, db = rows[0]
+            settings = {
+                "synchronous_commit": sc,
+                "fsync": fsync,
+                "server_version": version,
+                "database": db,
+            }
+        return {
+            "store": self.name,
+            "url": _redact(self._conninfo),
+            "schema": self.schema,
+            "schema_version": SCHEMA_VERSION,
+            "ticket_scope": self.ticket_scope,
+            "cert_retention": None if self.cert_retention == math.inf else self.cert_retention,
+            **settings,
+            "notes": list(self._notes),
+        }
+
+    # -- records ------------------------------------------------------------------------------
+    def _cert(self, data: bytes | None) -> Any:
+        if data is None:
+            return None
+        cache = self._cert_cache
+        c = cache.get(data)
+        if c is None:
+            c = cert_from_json(data)
+            if len(cache) >= _CERT_CACHE:
+                cache.clear()  # bounded; certificates are immutable, a miss only costs
+            cache[data] = c
+        return c
+
+    def _decode(self, intent: str, row: Sequence[Any]) -> IntentRecord:
+        """A record from the columns after ``intent`` (``state`` .. ``reclaim_at``)."""
+        (state, token, fp, domain, agent, lease_until, cert, until, reason, since, seq,
+         reclaim_at) = row  # fmt: skip
+        return IntentRecord(
+            intent,
+            _STATES[state],
+            token,
+            fp,
+            domain,
+            agent,
+            _deadline(lease_until),
+            self._cert(cert),
+            _deadline(until),
+            reason,
+            since,
+            seq,
+            _deadline(reclaim_at),
+        )
+
+    def _found(self, intent: str, row: Sequence[Any], at: int) -> IntentRecord | None:
+        """The found record of a step's answer: its 12 columns from ``at`` (state NULL: none)."""
+        return None if row[at] is None else self._decode(intent, row[at : at + 12])
+
+    # -- reads --------------------------------------------------------------------------------
+    def _p_now(self) -> float | None:
+        return None if self._clock is None else float(self._clock())
+
+    def now(self) -> float:
+        return float(self._read("now", self._q_now, (self._p_now(),))[0][0])
+
+    def get(self, intent: str) -> IntentRecord | None:
+        rows = self._read("get", self._q_get, (intent,))
+        return self._decode(intent, rows[0][1:]) if rows else None
+
+    def read(self, intent: str) -> tuple[IntentRecord | None, float]:
+        """The record and the server's clock in one statement: a replay is one round trip."""
+        (row,) = self._read("read", self._q_read, (self._p_now(), intent))
+        return (None if row[1] is None else self._decode(intent, row[2:])), float(row[0])
+
+    def current(self, domain: str) -> int:
+        return int(self._read("current", self._q_at, (domain,))[0][0])
+
+    def in_flight(self, domain: str) -> int:
+        return int(self._read("in_flight", self._q_in_flight, (domain,))[0][0])
+
+    def size(self) -> dict[str, int]:
+        s = self._s
+        (row,) = self._read(
+            "size",
+            sql.SQL(
+                "SELECT (SELECT count(*) FROM {}.intents), (SELECT count(*) FROM {}.domains), "
+                "(SELECT count(*) FROM {}.domains WHERE head IS NOT NULL), "
+                "(SELECT count(*) FROM {}.certs)"
+            ).format(s, s, s, s),
+            (),
+        )
+        return {"records": row[0], "domains": row[1], "heads": row[2], "certs": row[3]}
+
+    def records(
+        self, *, states: Sequence[State] = (), domain: str | None = None, limit: int = 1000
+    ) -> Iterator[IntentRecord]:
+        where: list[sql.Composable] = []
+        params: list[Any] = []
+        if states:
+            where.append(sql.SQL("state = ANY(%s::text[])"))
+            params.append([st.value for st in states])
+        if domain is not None:
+            where.append(sql.SQL("domain = %s"))
+            params.append(domain)
+        query = sql.SQL("SELECT " + _F + " FROM {}.intents").format(self._s)
+        if where:
+            query = query + sql.SQL(" WHERE ") + sql.SQL(" AND ").join(where)
+        query = query + sql.SQL(" ORDER BY intent LIMIT %s")
+        for row in self._read("records", query, (*params, max(0, int(limit)))):
+            yield self._decode(row[0], row[1:])
+
+    def certs(self, domain: str, *, after_seq: int = 0, limit: int = 1000) -> Iterator[Any]:
+        """Committed certificates of ``domain`` after ``after_seq``, in seq order."""
+        rows = self._read("certs", self._q_certs, (domain, after_seq, max(0, int(limit))))
+        for (cert,) in rows:
+            yield cert_from_json(cert)
+
+    def sealing_key(self) -> bytes:
+        """Kept in the ``meta`` table (get-or-create): every process sharing the schema seals
+        and opens tickets with the same key."""
+        if self._key is None:
+            s = self._s
+            self._run(
+                "sealing_key",
+                sql.SQL(
+                    "INSERT INTO {}.meta (key, value) VALUES ('sealing_key', %s) "
+                    "ON CONFLICT (key) DO NOTHING"
+                ).format(s),
+                (secrets.token_hex(32),),
+            )
+            rows = self._read(
+                "sealing_key",
+                sql.SQL("SELECT value FROM {}.meta WHERE key = 'sealing_key'").format(s),
+                (),
+            )
+            self._key = bytes.fromhex(rows[0][0])
+        return self._key
+
+    # -- steps --------------------------------------------------------------------------------
+    def claim(
+        self,
+        intent: str,
+        *,
+        expect: IntentRecord | None,
+        fingerprint: bytes,
+        domain: str,
+        agent: str,
+        lease_ttl: float,
+        reclaim_after: float,
+        compare: Sequence[tuple[str, int]],
+        reserve_at: int | None,
+    ) -> Step:
+        params = (
+            intent,
+            expect is not None,
+            None if expect is None else expect.token,
+            None if expect is None else expect.state.value,
+            None if expect is None else min(expect.lease_until, NEVER),
+            None if expect is None else min(expect.until, NEVER),
+            bytes(fingerprint),
+            domain,
+            agent,
+            lease_ttl,
+            reclaim_after,
+            [d for d, _ in compare],
+            [s for _, s in compare],
+            reserve_at,
+            self._p_now(),
+        )
+        try:
+            try:
+                (row,) = self._run("claim", self._q_claim, params)
+            except psycopg.Error as exc:
+                if exc.sqlstate != "EF001":
+                    raise
+                # condition 1 judged an empty slot that another claim filled: MOVED
+                return Step(MOVED, found=self.get(intent))
+        except _Lost as exc:
+            # the claim may have applied and lost its reply; its lease lapses like a crashed
+            # holder's, and this caller runs nothing
+            raise self._unavailable("claim", exc) from exc
+        outcome = row[0]
+        found = self._found(intent, row, 1)
+        if outcome == "moved":
+            return Step(MOVED, found=found)
+        if outcome == "stale":
+            return Step(STALE, found=found, stale=(row[18], row[19], row[20]))
+        if outcome == "race":
+            return Step(RACE, found=found, stale=(row[18], row[19], row[20]))
+        token, seq, now = row[13], row[14], row[15]
+        rec = IntentRecord(
+            intent,
+            State.IN_FLIGHT,
+            token,
+            fingerprint,
+            domain,
+            agent,
+            _deadline(min(now + lease_ttl, NEVER)),
+            None,
+            0.0,
+            "",
+            0.0,
+            seq,
+            _deadline(min(now + reclaim_after, NEVER)),
+        )
+        head = EMPTY_HEAD if row[16] is None else Head(row[16], row[17] or {})
+        return Step(APPLIED, rec, found, head)
+
+    def complete(
+        self,
+        intent: str,
+        token: int,
+        cert: Any,
+        *,
+        result_ttl: float,
+        reclaim_after: float,
+        compare: Sequence[tuple[str, int]],
+        own_seq: int | None,
+        stale_reason: str,
+        stale_reclaim_after: float,
+    ) -> Step:
+        cert_json = cert_to_json(cert)
+        params = (
+            intent,
+            token,
+            cert_json,
+            cert.hash,
+            json.dumps(cert.vector_clock, separators=(",", ":")),
+            result_ttl,
+            reclaim_after,
+            [d for d, _ in compare],
+            [s for _, s in compare],
+            own_seq,
+            stale_reason,
+            stale_reclaim_after,
+            self.cert_retention,
+            self._p_now(),
+        )
+
+        def applied(rec: IntentRecord) -> bool:
+            return rec.state is State.DONE and getattr(rec.cert, "hash", None) == cert.hash
+
+        try:
+            (row,) = self._run("complete", self._q_complete, params)
+        except _Lost as exc:
+            q = self._q_complete
+            return self._reconcile("complete", intent, token, applied, exc, q, params)
+        return self._complete_step(
+            intent, row, cert, result_ttl, reclaim_after, stale_reason, stale_reclaim_after
+        )
+
+    def _complete_step(
+        self,
+        intent: str,
+        row: Sequence[Any],
+        cert: Any,
+        result_ttl: float,
+        reclaim_after: float,
+        stale_reason: str,
+        stale_reclaim_after: float,
+    ) -> Step:
+        outcome = row[0]
+        cur = self._found(intent, row, 1)
+        if outcome == "moved":
+            return Step(MOVED, found=cur)
+        assert cur is not None
+        now = row[13]
+        if outcome == "stale":
+            rec = IntentRecord(
+                intent,
+                State.FAILED,
+                cur.token,
+                cur.fingerprint,
+                cur.domain,
+                cur.agent,
+                reason=stale_reason,
+                since=now,
+                seq=cur.seq,
+                reclaim_at=_deadline(min(now + stale_reclaim_after, NEVER)),
+            )
+            return Step(STALE, rec, cur, stale=(row[14], row[15], row[16]))
+        rec = IntentRecord(
+            intent,
+            State.DONE,
+            cur.token,
+            cur.fingerprint,
+            cur.domain,
+            cur.agent,
+            0.0,
+            cert,
+            _deadline(min(now + result_ttl, NEVER)),
+            "",
+            0.0,
+            cur.seq,
+            _deadline(min(now + reclaim_after, NEVER)),
+        )
+        return Step(APPLIED, rec, cur)
+
+    def _reconcile(
+        self,
+        op: str,
+        intent: str,
+        token: int,
+        applied: Callable[[IntentRecord], bool],
+        exc: _Lost,
+        query: Any,
+        params: Sequence[Any],
+    ) -> Step:
+        """The connection broke while a ticket step ran: answer from what the store holds.
+
+        - the record shows this step's result under this token: APPLIED (only the reply
+          was lost);
+        - still in flight under this token: the step did not apply (or is still running on
+          a server that has not noticed yet): run it once more; its own compare-by-token
+          makes that safe, and a second loss is reported unavailable;
+        - anything else: MOVED with what is there. Never an answer the store does not hold.
+        """
+        try:
+            rec = self.get(intent)
+        except StoreUnavailable as again:
+            raise self._unavailable(op, again) from exc
+        if rec is not None and rec.token == token:
+            if applied(rec):
+                return Step(APPLIED, rec, None)
+            if rec.state is State.IN_FLIGHT:
+                try:
+                    (row,) = self._run(op, query, params)
+                except _Lost as lost:
+                    raise self._unavailable(op, lost) from exc
+                return self._finish_step(op, intent, row, params)
+        return Step(MOVED, found=rec)
+
+    def _finish_step(self, op: str, intent: str, row: Sequence[Any], params: Sequence[Any]) -> Step:
+        if op == "complete":
+            return self._complete_step(
+                intent, row, _cert_of(params), params[5], params[6], params[10], params[11]
+            )
+        outcome = row[0]
+        cur = self._found(intent, row, 1)
+        if outcome == "moved":
+            return Step(MOVED, found=cur)
+        assert cur is not None
+        now = row[13]
+        kind = params[2]
+        if kind == "release":
+            return Step(APPLIED, None, cur)
+        if kind == "fail":
+            rec = IntentRecord(
+                intent,
+                State.FAILED,
+                cur.token,
+                cur.fingerprint,
+                cur.domain,
+                cur.agent,
+                reason=params[3],
+                since=now,
+                seq=cur.seq,
+                reclaim_at=_deadline(min(now + params[5], NEVER)),
+            )
+            return Step(APPLIED, rec, cur)
+        rec = IntentRecord(
+            intent,
+            State.IN_FLIGHT,
+            cur.token,
+            cur.fingerprint,
+            cur.domain,
+            cur.agent,
+            lease_until=_deadline(min(now + params[4], NEVER)),
+            seq=cur.seq,
+            reclaim_at=_deadline(min(now + params[5], NEVER)),
+        )
+        return Step(APPLIED, rec, cur)
+
+    def _finish(
+        self,
+        kind: str,
+        intent: str,
+        token: int,
+        reason: str,
+        lease_ttl: float,
+        reclaim_after: float,
+        applied: Callable[[IntentRecord | None], bool],
+    ) -> Step:
+        params = (intent, token, kind, reason, lease_ttl, reclaim_after, self._p_now())
+        try:
+            (row,) = self._run(kind, self._q_finish, params)
+        except _Lost as exc:
+            try:
+                rec = self.get(intent)
+            except StoreUnavailable as again:
+                raise self._unavailable(kind, again) from exc
+            if applied(rec):
+                return Step(APPLIED, rec, None)
+            if rec is not None and rec.token == token and rec.state is State.IN_FLIGHT:
+                try:
+                    (row,) = self._run(kind, self._q_finish, params)
+                except _Lost as lost:
+                    raise self._unavailable(kind, lost) from exc
+            else:
+                return Step(MOVED, found=rec)
+        return self._finish_step("finish", intent, row, params)
+
+    def fail(self, intent: str, token: int, reason: str, *, reclaim_after: float) -> Step:
+        return self._finish(
+            "fail",
+            intent,
+            token,
+            reason,
+            0.0,
+            reclaim_after,
+            lambda r: (
+                r is not None
+                and r.token == token
+                and r.state is State.FAILED
+                and r.reason == reason
+            ),
+        )
+
+    def release(self, intent: str, token: int) -> Step:
+        # a lost reply and no record: released (or cleared since): the intent is free
+        return self._finish("release", intent, token, "", 0.0, 0.0, lambda r: r is None)
+
+    def renew(self, intent: str, token: int, *, lease_ttl: float, reclaim_after: float) -> Step:
+        # a lost reply: renewing again is harmless, so "in flight under this token" retries
+        return self._finish("renew", intent, token, "", lease_ttl, reclaim_after, lambda r: False)
+
+    def clear(self, intent: str) -> IntentRecord | None:
+        try:
+            rows = self._run("clear", self._q_clear, (intent,))
+        except _Lost as exc:
+            raise self._unavailable("clear", exc) from exc
+        return self._decode(intent, rows[0][1:]) if rows else None
+
+    def clear_if(self, intent: str, *, expect: IntentRecord, entry: Mapping[str, Any]) -> Step:
+        data = entry_to_json(entry)
+        params = (
+            intent,
+            expect.token,
+            expect.state.value,
+            min(expect.lease_until, NEVER),
+            min(expect.until, NEVER),
+            data,
+            self._p_now(),
+        )
+        try:
+            (row,) = self._run("clear", self._q_clear_if, params)
+        except _Lost as exc:
+            # the clear may have applied: the operator looks again (show, audit) rather
+            # than being told something this store does not know
+            raise self._unavailable("clear", exc) from exc
+        found = self._found(intent, row, 1)
+        if row[0] == "moved":
+            return Step(MOVED, found=found)
+        return Step(APPLIED, None, found, entry=entry_from_json(data, row[13], row[14]))
+
+    def audit(
+        self, *, intent: str | None = None, after: int | None = None, limit: int = 100
+    ) -> list[dict[str, Any]]:
+        where = [sql.SQL("id > %s")]
+        params: list[Any] = [-1 if after is None else int(after)]
+        if intent is not None:
+            where.append(sql.SQL("intent = %s"))
+            params.append(intent)
+        order = sql.SQL("ASC" if after is not None else "DESC")
+        query = sql.SQL("SELECT id, at, entry FROM {}.audit WHERE {} ORDER BY id {} LIMIT %s")
+        rows = self._read(
+            "audit",
+            query.format(self._s, sql.SQL(" AND ").join(where), order),
+            (*params, max(0, int(limit))),
+        )
+        if after is None:
+            rows.reverse()
+        return [entry_from_json(data, i, at) for i, at, data in rows]
+
+    def evict_domain(self, domain: str) -> Step:
+        try:
+            ((outcome, n),) = self._run("evict_domain", self._q_evict, (domain,))
+        except _Lost as exc:
+            raise self._unavailable("evict_domain", exc) from exc
+        if outcome == "busy":
+            return Step(BUSY, count=int(n))
+        return Step(APPLIED, value=None if n is None else int(n))
+
+    def sweep(self, limit: int | None = None) -> int:
+        """Delete due records in batches of at most 1000 rows, each one statement; also drops
+        certificates whose retention ended. Returns how many records went."""
+        total = 0
+        while True:
+            batch = 1000 if limit is None else min(1000, limit - total)
+            if batch <= 0:
+                return total
+            try:
+                ((n,),) = self._run("sweep", self._q_sweep, (batch, self._p_now()))
+            except _Lost as exc:
+                raise self._unavailable("sweep", exc) from exc
+            total += int(n)
+            if n < batch:
+                return total
+
+    # -- waiting ------------------------------------------------------------------------------
+    def _listening(self) -> bool:
+        """Start the listener thread (LISTEN on a dedicated connection) if it is not running."""
+        if self._listener is not None and self._listener.is_alive():
+            return True
+        with self._listener_lock:
+            if self._closed:
+                return False
+            if self._listener is not None and self._listener.is_alive():
+                return True
+            try:
+                conn = psycopg.connect(self._conninfo, autocommit=True)
+                conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
+            except psycopg.Error:
+                return False  # waiters poll meanwhile
+            self._listen_conn = conn
+            self._listener = threading.Thread(
+                target=self._listen, args=(conn,), name="effectfence-pg-listen", daemon=True
+            )
+            self._listener.start()
+            self._waiters.wake_all()
+            return True
+
+    def _listen(self, conn: psycopg.Connection[Any]) -> None:
+        try:
+            while not self._closed:
+                for note in conn.notifies(timeout=0.25):
+                    self._waiters.wake(note.payload)
+        except psycopg.Error:
+            pass  # the next waiter starts a new listener
+        finally:
+            with contextlib.suppress(Exception):
+                conn.close()
+
+    def wait_for_change(self, intent: str, seen: IntentRecord | None, timeout: float) -> bool:
+        """Woken by the NOTIFY of the intent's next transition in any process."""
+        key = hashlib.md5(intent.encode(), usedforsecurity=False).hexdigest()
+        return self._waiters.wait(key, seen, timeout, lambda: self.get(intent), self._listening)
+
+    # -- lifetime -----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close the pool (if the store opened it) and the listener."""
+        if self._closed:
+            return
+        self._closed = True
+        if getattr(self, "_own_pool", False):
+            with contextlib.suppress(Exception):
+                self._pool.close()
+        listener = getattr(self, "_listener", None)
+        if listener is not None:
+            listener.join(timeout=2.0)
+
+
+def _hung_up(conn: psycopg.Connection[Any]) -> bool:
+    """An idle pooled connection with something to read was closed by the server (a
+    restart, ``pg_terminate_backend``): the server sent its FATAL and hung up. Checked before
+    a statement is sent (one poll, no round trip), so such a connection costs a reconnect,
+    not an ambiguous step."""
+    try:
+        return bool(select.select([conn.fileno()], [], [], 0)[0])
+    except (OSError, ValueError, psycopg.Error):
+        return True
+
+
+def _cert_of(params: Sequence[Any]) -> Any:
+    return cert_from_json(params[2])

@@ -1,0 +1,1139 @@
+"""The Redis store: every step one Lua script, judged by the server's ``TIME``.
+
+It decides nothing (the rules are in :mod:`effectfence.protocol`): a script runs atomically
+on the server, so each step of :mod:`effectfence.store.base` is one script whose conditions
+are the plain comparisons the decider chose, and costs one round trip.
+
+Keys, all under one hash tag (``{prefix}``, ``?prefix=name`` in the URL, default
+``effectfence``) so a cluster keeps them in one slot::
+
+    {p}:i:<intent>    hash: one record, codec fields; PEXPIREAT at its reclaim_at
+    {p}:d:<domain>    hash: seq, head, clock (the domain's counter and head)
+    {p}:domains       set: domain names (size())
+    {p}:fl:<domain>   set: intents in flight on the domain (checked against the records)
+    {p}:reclaim       zset: ["intent","domain"] by reclaim_at: what sweep cleans up
+    {p}:c:<domain>    zset: certificate JSON by seq: the audit trail
+    {p}:audit         zset: [id, at, intent, entry JSON] by id: the operator's clears
+    {p}:audit_id      counter: audit entry ids (INCR)
+    {p}:fence         hash: floor (where new domains start, raised by evictions: G5)
+    {p}:tokens        counter: fencing tokens (INCR)
+    {p}:meta          hash: schema_version, store_id, sealing_key
+    {p}:changes       pub/sub channel: the intent, on every transition
+
+Expiry: a record's key expires at its ``reclaim_at`` (decided by the fence when it wrote
+it; ``inf`` gets no TTL), so Redis reclaims records by itself and ``sweep`` mostly cleans the
+auxiliary indexes; it deletes a due record only when it gets there before the key expiry.
+
+Time: the server's ``TIME``, read inside each script. ``clock=`` replaces it with an
+argument of every script: it exists for tests (a fake clock drives leases without
+sleeping); with it, key TTLs are off (real time would disagree with the fake one) and sweep
+reclaims.
+
+Durability: Redis keeps an acknowledged write across a crash only with an append-only file
+fsynced on every write (``appendonly yes``, ``appendfsync always``), and a failover to a
+replica can lose acknowledged writes whatever the settings. The store reads the server's
+persistence settings at connect and reports them (:meth:`RedisStore.durability`); see
+docs/stores-redis.md.
+
+Errors: no connection, or an error the server answered, raises
+:class:`~effectfence.errors.StoreUnavailable`. A connection lost while a script ran may have
+lost only the reply: ticket steps re-read and answer from what the store holds, a claim
+answers unavailable (a lease it may have taken lapses like a crashed holder's). redis-py's
+own retries are off: a script is never sent twice behind the store's back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import re
+import secrets
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import redis
+import redis.exceptions
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from effectfence.errors import StoreUnavailable
+from effectfence.protocol import IntentRecord, State
+from effectfence.store._waiters import Waiters
+from effectfence.store.base import (
+    APPLIED,
+    BUSY,
+    EMPTY_HEAD,
+    MOVED,
+    RACE,
+    STALE,
+    FenceStore,
+    Head,
+    Step,
+)
+from effectfence.store.codec import (
+    NEVER,
+    RECORD_FIELDS,
+    cert_from_json,
+    cert_to_json,
+    entry_from_json,
+    entry_to_json,
+)
+
+__all__ = ["DEFAULT_PREFIX", "SCHEMA_VERSION", "RedisStore"]
+
+SCHEMA_VERSION = 1
+DEFAULT_PREFIX = "effectfence"
+DEFAULT_TIMEOUT = 10.0
+_CERT_CACHE = 4096
+_PREFIX_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+_STATES = {s.value: s for s in State}
+_FIELDS = RECORD_FIELDS[1:]  # the hash fields of a record (the intent is in the key)
+_LOST = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+
+# Shared by every script. ARGV[1] is the key prefix ("{p}"), ARGV[2] a test clock's reading
+# or "" for the server's TIME.
+_PRELUDE = """
+local P = ARGV[1]
+local TNOW = ARGV[2]
+local NEVER = 1e300
+local FIELDS = {'state', 'token', 'fingerprint', 'domain', 'agent', 'lease_until', 'cert',
+                'until', 'reason', 'since', 'seq', 'reclaim_at'}
+local function now()
+    if TNOW ~= '' then return tonumber(TNOW) end
+    local t = redis.call('TIME')
+    return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+local function fmt(x) if x >= NEVER then return '1e300' end return string.format('%.17g', x) end
+local function ifmt(x) return string.format('%d', x) end
+local function deadline(x) if x >= NEVER then return NEVER end return x end
+local function get(key)
+    local r = redis.call('HMGET', key, unpack(FIELDS))
+    if not r[1] then return nil end
+    return r
+end
+local function floor_()
+    return tonumber(redis.call('HGET', P .. ':fence', 'floor') or '0')
+end
+local function at(domain)
+    local s = redis.call('HGET', P .. ':d:' .. domain, 'seq')
+    if s then return tonumber(s) end
+    return floor_()
+end
+-- write a whole record, its expiry (at reclaim_at) and its reclaim index entry
+local function put(key, intent, r)
+    redis.call('DEL', key)
+    redis.call('HSET', key, 'state', r.state, 'token', r.token, 'fingerprint', r.fingerprint,
+        'domain', r.domain, 'agent', r.agent, 'lease_until', fmt(r.lease_until),
+        'cert', r.cert, 'until', fmt(r['until']), 'reason', r.reason, 'since', fmt(r.since),
+        'seq', r.seq, 'reclaim_at', fmt(r.reclaim_at))
+    if r.reclaim_at < NEVER then
+        if TNOW == '' then redis.call('PEXPIREAT', key, math.ceil(r.reclaim_at * 1000)) end
+        redis.call('ZADD', P .. ':reclaim', fmt(r.reclaim_at), cjson.encode({intent, r.domain}))
+    end
+end
+local function from(cur)
+    return {state = cur[1], token = cur[2], fingerprint = cur[3], domain = cur[4],
+            agent = cur[5], lease_until = 0, cert = '', ['until'] = 0, reason = '', since = 0,
+            seq = cur[11], reclaim_at = NEVER}
+end
+local function compare(first)
+    for i = first, #ARGV, 2 do
+        local got = at(ARGV[i])
+        if got ~= tonumber(ARGV[i + 1]) then return {ARGV[i], ARGV[i + 1], ifmt(got)} end
+    end
+    return nil
+end
+local function changed(intent) redis.call('PUBLISH', P .. ':changes', intent) end
+"""
+
+_READ = """
+-- KEYS[1] the record's key
+-- ARGV[1] prefix  ARGV[2] test clock or ''
+-- -> {now, record fields (HMGET order)}
+return {fmt(now()), redis.call('HMGET', KEYS[1], unpack(FIELDS))}
+"""
+
+_NOW = """
+-- KEYS: none  ARGV[1] prefix  ARGV[2] test clock or ''  -> now
+return fmt(now())
+"""
+
+_CURRENT = """
+-- KEYS: none  ARGV[1] prefix  ARGV[2] ''  ARGV[3] domain  -> its seq (an absent one: floor)
+return ifmt(at(ARGV[3]))
+"""
+
+_IN_FLIGHT = """
+-- KEYS[1] the domain's in-flight set
+-- ARGV[1] prefix  ARGV[2] ''  ARGV[3] domain  -> members really in flight on it
+local n = 0
+for _, intent in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+    local r = redis.call('HMGET', P .. ':i:' .. intent, 'state', 'domain')
+    if r[1] == 'in_flight' and r[2] == ARGV[3] then n = n + 1 end
+end
+return n
+"""
+
+_CLAIM = """
+-- KEYS[1] record  KEYS[2] domain hash  KEYS[3] tokens  KEYS[4] in-flight set of the domain
+-- KEYS[5] domain set
+-- ARGV[1] prefix  ARGV[2] test clock or ''  ARGV[3] intent
+-- ARGV[4] '1': the decider observed a record, '0': none
+-- ARGV[5..8] the observed record's token, state, lease_until, until
+-- ARGV[9] fingerprint  ARGV[10] domain  ARGV[11] agent  ARGV[12] lease_ttl
+-- ARGV[13] reclaim_after  ARGV[14] reserve_at or ''  ARGV[15..] compared domain, seq, ...
+-- -> {outcome, found record or nil, token, seq, now, head, clock, stale triple}
+local cur = get(KEYS[1])
+-- condition 1, slot: the record is the version the decider observed (base.same_record)
+if (cur ~= nil) ~= (ARGV[4] == '1') or (cur and not (tonumber(cur[2]) == tonumber(ARGV[5])
+        and cur[1] == ARGV[6] and tonumber(cur[6]) == tonumber(ARGV[7])
+        and tonumber(cur[8]) == tonumber(ARGV[8]))) then
+    return {'moved', cur or false}
+end
+-- condition 2, compare: every (domain, seq) of the read set holds
+local stale = compare(15)
+if stale then return {'stale', cur or false, '', '', '', false, false, stale} end
+-- condition 3, reserve: compare-exchange at reserve_at, else the next seq
+local domain = ARGV[10]
+local s = redis.call('HGET', KEYS[2], 'seq')
+local seq
+if ARGV[14] == '' then
+    if s then seq = redis.call('HINCRBY', KEYS[2], 'seq', 1)
+    else seq = floor_() + 1 end
+else
+    local have = s and tonumber(s) or floor_()
+    if have ~= tonumber(ARGV[14]) then  -- lost, without creating the domain (G7)
+        return {'race', cur or false, '', '', '', false, false, {domain, ARGV[14], ifmt(have)}}
+    end
+    seq = have + 1
+end
+if not s or ARGV[14] ~= '' then redis.call('HSET', KEYS[2], 'seq', ifmt(seq)) end
+redis.call('SADD', KEYS[5], domain)
+local token = redis.call('INCR', KEYS[3])
+local t = now()
+put(KEYS[1], ARGV[3], {state = 'in_flight', token = ifmt(token), fingerprint = ARGV[9],
+    domain = domain, agent = ARGV[11], lease_until = deadline(t + tonumber(ARGV[12])),
+    cert = '', ['until'] = 0, reason = '', since = 0, seq = ifmt(seq),
+    reclaim_at = deadline(t + tonumber(ARGV[13]))})
+if cur and cur[1] == 'in_flight' and cur[4] ~= domain then
+    redis.call('SREM', P .. ':fl:' .. cur[4], ARGV[3])
+end
+redis.call('SADD', KEYS[4], ARGV[3])
+local head = redis.call('HMGET', KEYS[2], 'head', 'clock')
+changed(ARGV[3])
+return {'applied', cur or false, ifmt(token), ifmt(seq), fmt(t), head[1], head[2]}
+"""
+
+_COMPLETE = """
+-- KEYS[1] record
+-- ARGV[1] prefix  ARGV[2] test clock or ''  ARGV[3] intent  ARGV[4] token
+-- ARGV[5] certificate JSON  ARGV[6] its hash  ARGV[7] its vector clock (JSON)
+-- ARGV[8] result_ttl  ARGV[9] reclaim_after  ARGV[10] own_seq or ''  ARGV[11] stale_reason
+-- ARGV[12] stale_reclaim_after  ARGV[13] certificates kept per domain, '' for all
+-- ARGV[14..] compared domain, seq, ...
+-- -> {outcome, found record or nil, now, stale triple}
+local cur = get(KEYS[1])
+-- compare-by-token: in flight under this token
+if not cur or cur[1] ~= 'in_flight' or tonumber(cur[2]) ~= tonumber(ARGV[4]) then
+    return {'moved', cur or false}
+end
+local domain = cur[4]
+local stale = compare(14)
+if not stale and ARGV[10] ~= '' then
+    local got = at(domain)
+    if got ~= tonumber(ARGV[10]) then stale = {domain, ARGV[10], ifmt(got)} end
+end
+local t = now()
+local r = from(cur)
+redis.call('SREM', P .. ':fl:' .. domain, ARGV[3])
+if stale then  -- a dependency moved while the effect ran: FAILED, not DONE
+    r.state = 'failed'; r.reason = ARGV[11]; r.since = t
+    r.reclaim_at = deadline(t + tonumber(ARGV[12]))
+    put(KEYS[1], ARGV[3], r)
+    changed(ARGV[3])
+    return {'stale', cur, fmt(t), stale}
+end
+r.state = 'done'; r.cert = ARGV[5]; r['until'] = deadline(t + tonumber(ARGV[8]))
+r.reclaim_at = deadline(t + tonumber(ARGV[9]))
+put(KEYS[1], ARGV[3], r)
+-- the domain's head: this certificate, its clock merged (element-wise max) into the head's
+local dkey = P .. ':d:' .. domain
+local old = redis.call('HGET', dkey, 'clock')
+local merged = old and cjson.decode(old) or {}
+for agent, n in pairs(cjson.decode(ARGV[7])) do
+    if not merged[agent] or merged[agent] < n then merged[agent] = n end
+end
+local parts = {}
+for agent, n in pairs(merged) do parts[#parts + 1] = cjson.encode(agent) .. ':' .. ifmt(n) end
+redis.call('HSET', dkey, 'head', ARGV[6], 'clock', '{' .. table.concat(parts, ',') .. '}')
+local ckey = P .. ':c:' .. domain
+redis.call('ZADD', ckey, cur[11], ARGV[5])
+if ARGV[13] ~= '' then redis.call('ZREMRANGEBYRANK', ckey, 0, -(tonumber(ARGV[13]) + 1)) end
+changed(ARGV[3])
+return {'applied', cur, fmt(t)}
+"""
+
+_FINISH = """
+-- KEYS[1] record
+-- ARGV[1] prefix  ARGV[2] test clock or ''  ARGV[3] intent  ARGV[4] token
+-- ARGV[5] 'fail' | 'release' | 'renew'  ARGV[6] reason  ARGV[7] lease_ttl
+-- ARGV[8] reclaim_after
+-- -> {outcome, found record or nil, now}
+local cur = get(KEYS[1])
+if not cur or cur[1] ~= 'in_flight' or tonumber(cur[2]) ~= tonumber(ARGV[4]) then
+    return {'moved', cur or false}
+end
+local t = now()
+local r = from(cur)
+if ARGV[5] == 'release' then
+    redis.call('DEL', KEYS[1])
+    redis.call('SREM', P .. ':fl:' .. cur[4], ARGV[3])
+elseif ARGV[5] == 'fail' then
+    r.state = 'failed'; r.reason = ARGV[6]; r.since = t
+    r.reclaim_at = deadline(t + tonumber(ARGV[8]))
+    put(KEYS[1], ARGV[3], r)
+    redis.call('SREM', P .. ':fl:' .. cur[4], ARGV[3])
+else
+    r.lease_until = deadline(t + tonumber(ARGV[7]))
+    r.reclaim_at = deadline(t + tonumber(ARGV[8]))
+    put(KEYS[1], ARGV[3], r)
+end
+changed(ARGV[3])
+return {'applied', cur, fmt(t)}
+"""
+
+_CLEAR = """
+-- KEYS[1] record  ARGV[1] prefix  ARGV[2] ''  ARGV[3] intent  -> the record removed, or nil
+local cur = get(KEYS[1])
+if not cur then return false end
+redis.call('DEL', KEYS[1])
+redis.call('SREM', P .. ':fl:' .. cur[4], ARGV[3])
+changed(ARGV[3])
+return cur
+"""
+
+_CLEAR_IF = """
+-- KEYS[1] record  KEYS[2] audit zset  KEYS[3] audit id counter
+-- ARGV[1] prefix  ARGV[2] test clock or ''  ARGV[3] intent
+-- ARGV[4..7] the judged record's token, state, lease_until, until  ARGV[8] entry JSON
+-- -> {'moved', found record or false} | {'applied', found record, id, now}
+local cur = get(KEYS[1])
+-- the condition: still the version the decider judged (base.same_record)
+if not cur or not (tonumber(cur[2]) == tonumber(ARGV[4]) and cur[1] == ARGV[5]
+        and tonumber(cur[6]) == tonumber(ARGV[6]) and tonumber(cur[8]) == tonumber(ARGV[7])) then
+    return {'moved', cur or false}
+end
+local t = now()
+redis.call('DEL', KEYS[1])
+redis.call('SREM', P .. ':fl:' .. cur[4], ARGV[3])
+-- the audit entry, in the same script: a clear nobody can account for never happens
+local id = redis.call('INCR', KEYS[3])
+redis.call('ZADD', KEYS[2], id, cjson.encode({id, fmt(t), ARGV[3], ARGV[8]}))
+changed(ARGV[3])
+return {'applied', cur, ifmt(id), fmt(t)}
+"""
+
+_EVICT = """
+-- KEYS[1] domain hash  KEYS[2] its in-flight set  KEYS[3] fence hash  KEYS[4] domain set
+-- ARGV[1] prefix  ARGV[2] ''  ARGV[3] domain  -> {'busy', n} | {'applied', seq or nil}
+local busy = 0
+for _, intent in ipairs(redis.call('SMEMBERS', KEYS[2])) do
+    local r = redis.call('HMGET', P .. ':i:' .. intent, 'state', 'domain')
+    if r[1] == 'in_flight' and r[2] == ARGV[3] then busy = busy + 1 end
+end
+if busy > 0 then return {'busy', busy} end
+local s = redis.call('HGET', KEYS[1], 'seq')
+if not s then return {'applied', false} end
+redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('SREM', KEYS[4], ARGV[3])
+-- above every seq the domain handed out: no (domain, seq) pair matches again (G5)
+if tonumber(s) + 1 > floor_() then redis.call('HSET', KEYS[3], 'floor', ifmt(tonumber(s) + 1)) end
+return {'applied', s}
+"""
+
+_SWEEP = """
+-- KEYS[1] reclaim index
+-- ARGV[1] prefix  ARGV[2] test clock or ''  ARGV[3] batch
+-- -> {records deleted, index entries visited}
+local t = now()
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', fmt(t), 'LIMIT', 0, tonumber(ARGV[3]))
+local n = 0
+for _, m in ipairs(due) do
+    local e = cjson.decode(m)
+    local key = P .. ':i:' .. e[1]
+    local r = redis.call('HMGET', key, 'reclaim_at', 'state', 'domain')
+    if r[1] and tonumber(r[1]) <= t then
+        -- the version that set this deadline (a rewrite moves it): reclaim it
+        redis.call('DEL', key)
+        if r[2] == 'in_flight' then redis.call('SREM', P .. ':fl:' .. r[3], e[1]) end
+        changed(e[1])
+        n = n + 1
+    elseif not r[1] then
+        -- gone already (its key expired, or it was cleared): drop its in-flight entry
+        redis.call('SREM', P .. ':fl:' .. e[2], e[1])
+    end
+    redis.call('ZREM', KEYS[1], m)
+end
+return {n, #due}
+"""
+
+
+class _Lost(Exception):
+    """The connection broke while a script ran: it may or may not have applied."""
+
+
+def _redact(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def _deadline(v: Any) -> float:
+    t = float(v)
+    return math.inf if t >= NEVER else t
+
+
+def _text(v: Any) -> str:
+    """A reply as text (redis-py answers bytes here: decode_responses is off)."""
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _num(x: float) -> str:
+    """A duration or reading as a script argument (infinity as the stored "never")."""
+    return repr(min(float(x), NEVER))
+
+
+class RedisStore(FenceStore):
+    """Store in one Redis database, shared by every process that reaches it.
+
+    ``url``: a redis-py URL; or ``client``: a :class:`redis.Redis` of your own (its retries
+    should be off). ``prefix``: the hash tag every key lives under. ``certs_per_domain``:
+    how many certificates the audit trail keeps per domain (None: all). ``clock``: for tests
+    only, replaces the server's ``TIME`` in every script.
+    """
+
+    name = "redis"
+    counters_backend = "lua"
+    shared = True
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        client: redis.Redis | None = None,
+        prefix: str = DEFAULT_PREFIX,
+        timeout: float = DEFAULT_TIMEOUT,
+        certs_per_domain: int | None = None,
+        clock: Callable[[], float] | None = None,
+        max_connections: int = 64,
+    ) -> None:
+        if (url is None) == (client is None):
+            raise ValueError("give a Redis store either url or client, not both")
+        if not _PREFIX_NAME.match(prefix):
+            raise ValueError(f"prefix must match {_PREFIX_NAME.pattern}, got {prefix!r}")
+        if certs_per_domain is not None and certs_per_domain < 1:
+            raise ValueError("certs_per_domain must be >= 1, or None to keep all")
+        self.prefix = prefix
+        self._p = "{" + prefix + "}"
+        self._clock = clock
+        self.timeout = float(timeout)
+        self.certs_per_domain = certs_per_domain
+        self._closed = False
+        self._own_client = client is None
+        self._url = url or "redis://(client)"
+        if client is None:
+            assert url is not None
+            client = redis.Redis.from_url(
+                url,
+                socket_timeout=self.timeout,
+                socket_connect_timeout=self.timeout,
+                retry=Retry(NoBackoff(), 0),
+                max_connections=max_connections,
+            )
+        self._r: redis.Redis = client
+        self._cert_cache: dict[bytes, Any] = {}
+        self._key: bytes | None = None
+        r = self._r
+        self._s_read = r.register_script(_PRELUDE + _READ)
+        self._s_now = r.register_script(_PRELUDE + _NOW)
+        self._s_current = r.register_script(_PRELUDE + _CURRENT)
+        self._s_in_flight = r.register_script(_PRELUDE + _IN_FLIGHT)
+        self._s_claim = r.register_script(_PRELUDE + _CLAIM)
+        self._s_complete = r.register_script(_PRELUDE + _COMPLETE)
+        self._s_finish = r.register_script(_PRELUDE + _FINISH)
+        self._s_clear = r.register_script(_PRELUDE + _CLEAR)
+        self._s_clear_if = r.register_script(_PRELUDE + _CLEAR_IF)
+        self._s_evict = r.register_script(_PRELUDE + _EVICT)
+        self._s_sweep = r.register_script(_PRELUDE + _SWEEP)
+        self._waiters = Waiters()
+        self._listener: threading.Thread | None = None
+        self._listener_lock = threading.Lock()
+        try:
+            self.store_id = self._init()
+            self._durability = self._read_persistence()
+        except _LOST as exc:
+            self.close()
+            raise StoreUnavailable(
+                f"can't reach Redis at {_redact(self._url)}: {exc}", operation="open"
+            ) from exc
+        except BaseException:
+            self.close()
+            raise
+        self.ticket_scope = f"redis:{self.store_id}"
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> RedisStore:
+        """``redis://host:6379/0?prefix=fence&certs_per_domain=1000``; keywords win over the
+        query; other query parameters go to redis-py."""
+        parts = urlsplit(url)
+        ours: dict[str, Any] = {}
+        theirs: list[tuple[str, str]] = []
+        for k, v in parse_qsl(parts.query, keep_blank_values=True):
+            try:
+                if k == "prefix":
+                    ours[k] = v
+                elif k in ("certs_per_domain", "max_connections"):
+                    ours[k] = int(v)
+                elif k == "timeout":
+                    ours[k] = float(v)
+                else:
+                    theirs.append((k, v))
+            except ValueError:
+                raise ValueError(f"{k} in {_redact(url)} must be a number") from None
+        ours.update(options)
+        if "client" in ours:
+            return cls(**ours)
+        rest = urlunsplit((parts.scheme, parts.netloc, parts.path, urlencode(theirs), ""))
+        return cls(rest, **ours)
+
+    def __repr__(self) -> str:
+        return f"RedisStore(url={_redact(self._url)!r}, prefix={self.prefix!r})"
+
+    # -- setup and durability -----------------------------------------------------------------
+    def _init(self) -> str:
+        meta = f"{self._p}:meta"
+        r = self._r
+        r.hsetnx(meta, "schema_version", str(SCHEMA_VERSION))
+        r.hsetnx(meta, "store_id", secrets.token_hex(16))
+        version, store_id = r.hmget(meta, ["schema_version", "store_id"])
+        if version is None or not version.isdigit() or int(version) > SCHEMA_VERSION:
+            raise RuntimeError(
+                f"Redis prefix {self.prefix!r} holds effectfence data version {version!r}; this "
+                f"effectfence reads version {SCHEMA_VERSION}: upgrade it (or use another prefix)"
+            )
+        return _text(store_id)
+
+    def _read_persistence(self) -> dict[str, Any]:
+        """The server's persistence settings: CONFIG GET, or INFO persistence where CONFIG is
+        disabled (managed services)."""
+        out: dict[str, Any] = {}
+        try:
+            for name in ("appendonly", "appendfsync", "save"):
+                got = self._r.config_get(name)
+                out[name] = got.get(name) if isinstance(got, dict) else None
+                if isinstance(out[name], bytes):
+                    out[name] = out[name].decode()
+            out["source"] = "CONFIG GET"
+        except redis.exceptions.ResponseError:
+            info = self._r.info("persistence")
+            out = {
+                "appendonly": "yes" if info.get("aof_enabled") else "no",
+                "appendfsync": None,  # not in INFO: unknown
+                "save": None,
+                "source": "INFO persistence (CONFIG is disabled)",
+            }
+        with contextlib.suppress(redis.exceptions.ResponseError):
+            out["role"] = self._r.info("replication").get("role")
+        safe = out.get("appendonly") == "yes" and out.get("appendfsync") == "always"
+        out["acknowledged_writes_survive_a_crash"] = safe
+        if safe:
+            out["verdict"] = (
+                "appendonly yes + appendfsync always: an acknowledged step survives a crash of "
+                "this server; a failover to a replica can still lose it"
+            )
+        elif out.get("appendonly") == "yes" and out.get("appendfsync") is None:
+            out["verdict"] = "append-only file on; its fsync policy is not readable here"
+        else:
+            out["verdict"] = (
+                f"appendonly {out.get('appendonly')}, appendfsync {out.get('appendfsync')}: a "
+                "crash can lose acknowledged steps (a committed effect could run again); not "
+                "safe for effects that move money"
+            )
+        return out
+
+    def durability(self) -> dict[str, Any]:
+        """The persistence settings read at connect, and what they mean for the fence."""
+        return dict(self._durability)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "store": self.name,
+            "url": _redact(self._url),
+            "prefix": self.prefix,
+            "schema_version": SCHEMA_VERSION,
+            "ticket_scope": self.ticket_scope,
+            "certs_per_domain": self.certs_per_domain,
+            "durability": self.durability(),
+        }
+
+    # -- calls --------------------------------------------------------------------------------
+    def _t(self) -> str:
+        return "" if self._clock is None else _num(self._clock())
+
+    def _unavailable(self, op: str, exc: BaseException) -> StoreUnavailable:
+        return StoreUnavailable(
+            f"the Redis store {self.prefix!r} failed during {op}: {exc}; nothing was decided",
+            operation=op,
+        )
+
+    def _call(self, op: str, script: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """One script. StoreUnavailable when closed or the server refused it before running;
+        :class:`_Lost` when the connection broke (it may have run)."""
+        if self._closed:
+            raise StoreUnavailable(f"the Redis store {self.prefix!r} is closed", operation=op)
+        try:
+            return script(keys=keys, args=[self._p, *args])
+        except _LOST as exc:
+            raise _Lost(str(exc)) from exc
+        except redis.exceptions.BusyLoadingError as exc:
+            raise self._unavailable(op, exc) from exc
+
+    def _read(self, op: str, script: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """A read changes nothing: a broken connection is retried once on another."""
+        for attempt in (0, 1):
+            try:
+                return self._call(op, script, keys, args)
+            except _Lost as exc:
+                if attempt:
+                    raise self._unavailable(op, exc) from exc
+        raise AssertionError("unreachable")
+
+    def _cmd(self, op: str, fn: Callable[[], Any]) -> Any:
+        """A plain read command, retried once on a broken connection."""
+        if self._closed:
+            raise StoreUnavailable(f"the Redis store {self.prefix!r} is closed", operation=op)
+        for attempt in (0, 1):
+            try:
+                return fn()
+            except _LOST as exc:
+                if attempt:
+                    raise self._unavailable(op, exc) from exc
+        raise AssertionError("unreachable")
+
+    def _k(self, kind: str, name: str) -> str:
+        return f"{self._p}:{kind}:{name}"
+
+    # -- records ------------------------------------------------------------------------------
+    def _cert(self, data: bytes) -> Any:
+        cache = self._cert_cache
+        c = cache.get(data)
+        if c is None:
+            c = cert_from_json(data)
+            if len(cache) >= _CERT_CACHE:
+                cache.clear()
+            cache[data] = c
+        return c
+
+    def _decode(self, intent: str, f: Sequence[Any]) -> IntentRecord | None:
+        """A record from its hash fields in :data:`_FIELDS` order (state None: no record)."""
+        if f is None or not f or f[0] is None:
+            return None
+        (state, token, fp, domain, agent, lease_until, cert, until, reason, since, seq,
+         reclaim_at) = f  # fmt: skip
+        return IntentRecord(
+            intent,
+            _STATES[state.decode()],
+            int(token),
+            bytes(fp),
+            domain.decode(),
+            agent.decode(),
+            _deadline(lease_until),
+            self._cert(cert) if cert else None,
+            _deadline(until),
+            reason.decode(),
+            float(since),
+            int(seq),
+            _deadline(reclaim_at),
+        )
+
+    # -- reads --------------------------------------------------------------------------------
+    def now(self) -> float:
+        if self._clock is not None:
+            return float(self._clock())
+        return float(self._read("now", self._s_now, (), ("",)))
+
+    def get(self, intent: str) -> IntentRecord | None:
+        key = self._k("i", intent)
+        return self._decode(intent, self._cmd("get", lambda: self._r.hmget(key, _FIELDS)))
+
+    def read(self, intent: str) -> tuple[IntentRecord | None, float]:
+        """The record and the server's TIME in one script: a replay is one round trip."""
+        now, fields = self._read("read", self._s_read, (self._k("i", intent),), (self._t(),))
+        return self._decode(intent, fields), float(now)
+
+    def current(self, domain: str) -> int:
+        return int(self._read("current", self._s_current, (), ("", domain)))
+
+    def in_flight(self, domain: str) -> int:
+        return int(
+            self._read("in_flight", self._s_in_flight, (self._k("fl", domain),), ("", domain))
+        )
+
+    def _scan(self, kind: str) -> Iterator[bytes]:
+        pattern = f"{self._p}:{kind}:*".replace("[", "\\[").replace("?", "\\?")
+        pattern = pattern.replace("{", "[{]").replace("}", "[}]")
+        yield from self._r.scan_iter(match=pattern, count=1000)
+
+    def size(self) -> dict[str, int]:
+        """Records by a SCAN of the prefix (O(keys): for operators and tests), domains and
+        heads from the domain set."""
+
+        def count() -> dict[str, int]:
+            records = sum(1 for _ in self._scan("i"))
+            domains = [_text(d) for d in self._r.smembers(f"{self._p}:domains")]
+            pipe = self._r.pipeline(transaction=False)
+            for d in domains:
+                pipe.hexists(self._k("d", d), "head")
+            heads = sum(1 for h in pipe.execute() if h)
+            return {"records": records, "domains": len(domains), "heads": heads}
+
+        out: dict[str, int] = self._cmd("size", count)
+        return out
+
+    def records(
+        self, *, states: Sequence[State] = (), domain: str | None = None, limit: int = 1000
+    ) -> Iterator[IntentRecord]:
+        """A SCAN of the prefix, sorted by intent (O(keys): for operators)."""
+
+        def fetch() -> list[IntentRecord]:
+            cut = len(self._p) + 3
+            names = sorted(k[cut:].decode() for k in self._scan("i"))
+            pipe = self._r.pipeline(transaction=False)
+            for name in names:
+                pipe.hmget(self._k("i", name), _FIELDS)
+            out = []
+            for name, fields in zip(names, pipe.execute(), strict=True):
+                rec = self._decode(name, fields)
+                if rec is None:
+                    continue  # expired between the scan and the read
+                if (not states or rec.state in states) and (domain is None or rec.domain == domain):
+                    out.append(rec)
+                    if len(out) >= limit:
+                        break
+            return out
+
+        got: list[IntentRecord] = self._cmd("records", fetch)
+        yield from got
+
+    def certs(self, domain: str, *, after_seq: int = 0, limit: int = 1000) -> Iterator[Any]:
+        """Committed certificates of ``domain`` after ``after_seq``, in seq order."""
+        key = self._k("c", domain)
+        rows = self._cmd(
+            "certs",
+            lambda: self._r.zrangebyscore(key, f"({after_seq}", "+inf", start=0, num=max(0, limit)),
+        )
+        for data in rows:
+            yield cert_from_json(data)
+
+    def sealing_key(self) -> bytes:
+        """Kept in the prefix's meta hash (HSETNX, then read): every process sharing the
+        store seals and opens tickets with the same key."""
+        if self._key is None:
+            meta = f"{self._p}:meta"
+
+            def get_or_create() -> bytes:
+                self._r.hsetnx(meta, "sealing_key", secrets.token_hex(32))
+                return bytes.fromhex(_text(self._r.hget(meta, "sealing_key")))
+
+            self._key = self._cmd("sealing_key", get_or_create)
+        return self._key
+
+    # -- steps --------------------------------------------------------------------------------
+    def claim(
+        self,
+        intent: str,
+        *,
+        expect: IntentRecord | None,
+        fingerprint: bytes,
+        domain: str,
+        agent: str,
+        lease_ttl: float,
+        reclaim_after: float,
+        compare: Sequence[tuple[str, int]],
+        reserve_at: int | None,
+    ) -> Step:
+        args: list[Any] = [self._t(), intent]
+        if expect is None:
+            args += ["0", "0", "", "0", "0"]
+        else:
+            args += ["1", expect.token, expect.state.value, _num(expect.lease_until),
+                     _num(expect.until)]  # fmt: skip
+        args += [bytes(fingerprint), domain, agent, _num(lease_ttl), _num(reclaim_after)]
+        args.append("" if reserve_at is None else reserve_at)
+        for d, s in compare:
+            args += [d, s]
+        keys = (
+            self._k("i", intent),
+            self._k("d", domain),
+            f"{self._p}:tokens",
+            self._k("fl", domain),
+            f"{self._p}:domains",
+        )
+        try:
+            out = self._call("claim", self._s_claim, keys, args)
+        except _Lost as exc:
+            # the claim may have applied and lost its reply; its lease lapses like a crashed
+            # holder's, and this caller runs nothing
+            raise self._unavailable("claim", exc) from exc
+        outcome = out[0]
+        found = self._decode(intent, out[1])
+        if outcome == b"moved":
+            return Step(MOVED, found=found)
+        if outcome in (b"stale", b"race"):
+            d, want, got = out[7]
+            stale = (d.decode(), int(want), int(got))
+            return Step(STALE if outcome == b"stale" else RACE, found=found, stale=stale)
+        token, seq, now = int(out[2]), int(out[3]), float(out[4])
+        rec = IntentRecord(
+            intent,
+            State.IN_FLIGHT,
+            token,
+            fingerprint,
+            domain,
+            agent,
+            _deadline(min(now + lease_ttl, NEVER)),
+            None,
+            0.0,
+            "",
+            0.0,
+            seq,
+            _deadline(min(now + reclaim_after, NEVER)),
+        )
+        head = EMPTY_HEAD if out[5] is None else Head(out[5].decode(), json.loads(out[6]))
+        return Step(APPLIED, rec, found, head)
+
+    def complete(
+        self,
+        intent: str,
+        token: int,
+        cert: Any,
+        *,
+        result_ttl: float,
+        reclaim_after: float,
+        compare: Sequence[tuple[str, int]],
+        own_seq: int | None,
+        stale_reason: str,
+        stale_reclaim_after: float,
+    ) -> Step:
+        args: list[Any] = [
+            self._t(),
+            intent,
+            token,
+            cert_to_json(cert),
+            cert.hash,
+            json.dumps(cert.vector_clock, separators=(",", ":")),
+            _num(result_ttl),
+            _num(reclaim_after),
+            "" if own_seq is None else own_seq,
+            stale_reason,
+            _num(stale_reclaim_after),
+            "" if self.certs_per_domain is None else self.certs_per_domain,
+        ]
+        for d, s in compare:
+            args += [d, s]
+        keys = (self._k("i", intent),)
+
+        def answer(out: Any) -> Step:
+            outcome = out[0]
+            cur = self._decode(intent, out[1])
+            if outcome == b"moved":
+                return Step(MOVED, found=cur)
+            assert cur is not None
+            now = float(out[2])
+            if outcome == b"stale":
+                d, want, got = out[3]
+                rec = IntentRecord(
+                    intent,
+                    State.FAILED,
+                    token,
+                    cur.fingerprint,
+                    cur.domain,
+                    cur.agent,
+                    reason=stale_reason,
+                    since=now,
+                    seq=cur.seq,
+                    reclaim_at=_deadline(min(now + stale_reclaim_after, NEVER)),
+                )
+                return Step(STALE, rec, cur, stale=(d.decode(), int(want), int(got)))
+            rec = IntentRecord(
+                intent,
+                State.DONE,
+                token,
+                cur.fingerprint,
+                cur.domain,
+                cur.agent,
+                0.0,
+                cert,
+                _deadline(min(now + result_ttl, NEVER)),
+                "",
+                0.0,
+                cur.seq,
+                _deadline(min(now + reclaim_after, NEVER)),
+            )
+            return Step(APPLIED, rec, cur)
+
+        return self._step(
+            "complete",
+            intent,
+            token,
+            lambda: answer(self._call("complete", self._s_complete, keys, args)),
+            lambda r: (
+                r is not None
+                and r.state is State.DONE
+                and getattr(r.cert, "hash", None) == cert.hash
+            ),
+        )
+
+    def _step(
+        self,
+        op: str,
+        intent: str,
+        token: int,
+        run: Callable[[], Step],
+        applied: Callable[[IntentRecord | None], bool],
+    ) -> Step:
+        """A ticket step; if the connection broke while it ran, answer from the store:
+
+        - the record shows this step's result under this token: APPLIED (only the reply
+          was lost);
+        - still in flight under this token: it did not apply: run it once more (its own
+          compare-by-token makes that safe; a second loss is reported unavailable);
+        - anything else: MOVED with what is there. Never an answer the store does not hold.
+        """
+        try:
+            return run()
+        except _Lost as exc:
+            try:
+                rec = self.get(intent)
+            except StoreUnavailable as again:
+                raise self._unavailable(op, again) from exc
+            if rec is not None and rec.token == token and applied(rec):
+                return Step(APPLIED, rec, None)
+            if rec is None and applied(None):
+                return Step(APPLIED, None, None)
+            if rec is not None and rec.token == token and rec.state is State.IN_FLIGHT:
+                try:
+                    return run()
+                except _Lost as lost:
+                    raise self._unavailable(op, lost) from exc
+            return Step(MOVED, found=rec)
+
+    def _finish(
+        self,
+        kind: str,
+        intent: str,
+        token: int,
+        reason: str,
+        lease_ttl: float,
+        reclaim_after: float,
+        applied: Callable[[IntentRecord | None], bool],
+    ) -> Step:
+        keys = (self._k("i", intent),)
+        args = [self._t(), intent, token, kind, reason, _num(lease_ttl), _num(reclaim_after)]
+
+        def run() -> Step:
+            out = self._call(kind, self._s_finish, keys, args)
+            cur = self._decode(intent, out[1])
+            if out[0] == b"moved":
+                return Step(MOVED, found=cur)
+            assert cur is not None
+            now = float(out[2])
+            if kind == "release":
+                return Step(APPLIED, None, cur)
+            if kind == "fail":
+                rec = IntentRecord(
+                    intent,
+                    State.FAILED,
+                    token,
+                    cur.fingerprint,
+                    cur.domain,
+                    cur.agent,
+                    reason=reason,
+                    since=now,
+                    seq=cur.seq,
+                    reclaim_at=_deadline(min(now + reclaim_after, NEVER)),
+                )
+                return Step(APPLIED, rec, cur)
+            rec = IntentRecord(
+                intent,
+                State.IN_FLIGHT,
+                token,
+                cur.fingerprint,
+                cur.domain,
+                cur.agent,
+                lease_until=_deadline(min(now + lease_ttl, NEVER)),
+                seq=cur.seq,
+                reclaim_at=_deadline(min(now + reclaim_after, NEVER)),
+            )
+            return Step(APPLIED, rec, cur)
+
+        return self._step(kind, intent, token, run, applied)
+
+    def fail(self, intent: str, token: int, reason: str, *, reclaim_after: float) -> Step:
+        return self._finish(
+            "fail",
+            intent,
+            token,
+            reason,
+            0.0,
+            reclaim_after,
+            lambda r: r is not None and r.state is State.FAILED and r.reason == reason,
+        )
+
+    def release(self, intent: str, token: int) -> Step:
+        # a lost reply and no record: released (or cleared since): the intent is free
+        return self._finish("release", intent, token, "", 0.0, 0.0, lambda r: r is None)
+
+    def renew(self, intent: str, token: int, *, lease_ttl: float, reclaim_after: float) -> Step:
+        # a lost reply: renewing again is harmless, so "in flight under this token" retries
+        return self._finish("renew", intent, token, "", lease_ttl, reclaim_after, lambda r: False)
+
+    def clear(self, intent: str) -> IntentRecord | None:
+        try:
+            out = self._call("clear", self._s_clear, (self._k("i", intent),), ("", intent))
+        except _Lost as exc:
+            raise self._unavailable("clear", exc) from exc
+        return None if out is None else self._decode(intent, out)
+
+    def clear_if(self, intent: str, *, expect: IntentRecord, entry: Mapping[str, Any]) -> Step:
+        data = entry_to_json(entry)
+        keys = (self._k("i", intent), f"{self._p}:audit", f"{self._p}:audit_id")
+        args = [self._t(), intent, expect.token, expect.state.value,
+                _num(expect.lease_until), _num(expect.until), data]  # fmt: skip
+        try:
+            out = self._call("clear", self._s_clear_if, keys, args)
+        except _Lost as exc:
+            # it may have applied: the operator looks again rather than being told a guess
+            raise self._unavailable("clear", exc) from exc
+        found = self._decode(intent, out[1]) if out[1] else None
+        if out[0] == b"moved":
+            return Step(MOVED, found=found)
+        return Step(APPLIED, None, found, entry=entry_from_json(data, int(out[2]), float(out[3])))
+
+    def audit(
+        self, *, intent: str | None = None, after: int | None = None, limit: int = 100
+    ) -> list[dict[str, Any]]:
+        """Entries by id from the audit zset; filtering by intent reads the whole trail
+        (O(clears): operators clear rarely)."""
+        key = f"{self._p}:audit"
+        n = max(0, int(limit))
+        if not n:
+            return []
+
+        def fetch() -> list[Any]:
+            if intent is not None:
+                lo = "-inf" if after is None else f"({int(after)}"
+                return list(self._r.zrangebyscore(key, lo, "+inf"))
+            if after is not None:
+                return list(self._r.zrangebyscore(key, f"({int(after)}", "+inf", start=0, num=n))
+            return list(reversed(self._r.zrevrange(key, 0, n - 1)))
+
+        out = []
+        for member in self._cmd("audit", fetch):
+            i, at, name, data = json.loads(member)
+            if intent is None or name == intent:
+                out.append(entry_from_json(data, int(i), float(at)))
+        if intent is not None:
+            out = out[:n] if after is not None else out[len(out) - n :]
+        return out
+
+    def evict_domain(self, domain: str) -> Step:
+        keys = (
+            self._k("d", domain),
+            self._k("fl", domain),
+            f"{self._p}:fence",
+            f"{self._p}:domains",
+        )
+        try:
+            outcome, n = self._call("evict_domain", self._s_evict, keys, ("", domain))
+        except _Lost as exc:
+            raise self._unavailable("evict_domain", exc) from exc
+        if outcome == b"busy":
+            return Step(BUSY, count=int(n))
+        return Step(APPLIED, value=None if n is None else int(n))
+
+    def sweep(self, limit: int | None = None) -> int:
+        """Clean the reclaim index: delete due records that key expiry has not removed yet
+        (all of them under a test clock, where TTLs are off), and drop index entries of
+        records already gone. Returns how many records it deleted, which in production is
+        often 0: Redis expired them first."""
+        total = 0
+        visited = 0
+        while True:
+            batch = 1000 if limit is None else min(1000, limit - visited)
+            if batch <= 0:
+                return total
+            try:
+                n, seen = self._call(
+                    "sweep", self._s_sweep, (f"{self._p}:reclaim",), (self._t(), batch)
+                )
+            except _Lost as exc:
+                raise self._unavailable("sweep", exc) from exc
+            total += int(n)
+            visited += int(seen)
+            if seen < batch:
+                return total
+
+    # -- waiting ------------------------------------------------------------------------------
+    def _listening(self) -> bool:
+        if self._listener is not None and self._listener.is_alive():
+            return True
+        with self._listener_lock:
+            if self._closed:
+                return False
+            if self._listener is not None and self._listener.is_alive():
+                return True
+            try:
+                ps = self._r.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+                ps.subscribe(f"{self._p}:changes")
+            except _LOST:
+                return False  # waiters poll meanwhile
+            self._listener = threading.Thread(
+                target=self._listen, args=(ps,), name="effectfence-redis-listen", daemon=True
+            )
+            self._listener.start()
+            self._waiters.wake_all()
+            return True
+
+    def _listen(self, ps: Any) -> None:
+        try:
+            while not self._closed:
+                msg = ps.get_message(timeout=0.25)
+                if msg is not None and msg.get("type") == "message":
+                    self._waiters.wake(msg["data"].decode())
+        except (*_LOST, redis.exceptions.RedisError):
+            pass  # the next waiter starts a new listener
+        finally:
+            with contextlib.suppress(Exception):
+                ps.close()
+
+    def wait_for_change(self, intent: str, seen: IntentRecord | None, timeout: float) -> bool:
+        """Woken by the PUBLISH of the intent's next transition in any process."""
+        return self._waiters.wait(intent, seen, timeout, lambda: self.get(intent), self._listening)
+
+    # -- lifetime -----------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        listener = getattr(self, "_listener", None)
+        if listener is not None:
+            listener.join(timeout=2.0)
+        if getattr(self, "_own_client", False):
+            with contextlib.suppress(Exception):
+                self._r.close()

@@ -1,0 +1,288 @@
+"""The console page: its gates over HTTP, and the whole operator's round in a real browser.
+
+The browser is Debian's headless Chromium driven by Selenium. Missing, it is installed
+(``apt-get install chromium chromium-driver``, as root) once per session; if it still
+cannot run, the browser test skips, or with EFFECTFENCE_REQUIRE_SERVICES=1 (CI) fails.
+The screenshot lands in tests/artifacts/ (gitignored) and its path is printed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support import sqlite_path
+
+from effectfence import EffectFence, EffectRequest, FenceConfig
+from effectfence.operator.console import CSRF_HEADER, ConsoleServer, check_bind, serve
+
+SECRET = "4111-1111-1111-1111"
+ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
+REQUIRE = os.environ.get("EFFECTFENCE_REQUIRE_SERVICES") == "1"
+TOKEN = "s3cret-token-for-the-console-0123"
+
+
+def req(n: int) -> EffectRequest:
+    return EffectRequest(f"charge:{n}", "order:1", "charge", {"card": SECRET}, "agent-a")
+
+
+@pytest.fixture
+def fence() -> Iterator[EffectFence]:
+    f = EffectFence.from_url(f"sqlite:///{sqlite_path().lstrip('/')}", FenceConfig())
+    yield f
+    f.close()
+
+
+@pytest.fixture
+def console(fence: EffectFence) -> Iterator[ConsoleServer]:
+    server = serve(fence, stats_fence=fence, who="tester")
+    server.start(every=0.2)
+    yield server
+    server.stop()
+
+
+def call(
+    url: str, *, data: Any = None, headers: dict[str, str] | None = None, method: str = "GET"
+) -> tuple[int, dict[str, str], bytes]:
+    body = (
+        None if data is None else (data if isinstance(data, bytes) else json.dumps(data).encode())
+    )
+    request = urllib.request.Request(url, data=body, headers=headers or {}, method=method)
+    opener = urllib.request.build_opener(_NoRedirect)
+    try:
+        with opener.open(request, timeout=10) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args: Any, **kw: Any) -> None:
+        return None
+
+
+# -- the gates, over HTTP --------------------------------------------------------------------------
+
+
+def test_non_loopback_bind_needs_tokens() -> None:
+    with pytest.raises(ValueError, match="--tokens"):
+        check_bind("0.0.0.0", None)
+    check_bind("127.0.0.1", None)
+    check_bind("::1", None)
+    check_bind("0.0.0.0", object())
+
+
+def test_clear_needs_the_pages_csrf_token_and_origin(
+    fence: EffectFence, console: ConsoleServer
+) -> None:
+    fence.abort(fence.prepare(req(1)).ticket, "bank timeout")  # type: ignore[union-attr]
+    clear = {"intent": "charge:1", "reason": "refunded"}
+    status, _, _ = call(console.url + "/api/clear", data=clear, method="POST")
+    assert status == 403
+    csrf = console.console._open_csrf
+    hdr = {CSRF_HEADER: csrf, "Origin": "http://evil.example"}
+    status, _, _ = call(console.url + "/api/clear", data=clear, headers=hdr, method="POST")
+    assert status == 403
+    assert fence.intent_status("charge:1").state == "failed", "refused: nothing cleared"
+    # the page carries the token; a request from it passes
+    status, _, page = call(console.url + "/intent?id=charge%3A1")
+    assert status == 200 and csrf.encode() in page and SECRET.encode() not in page
+    hdr = {CSRF_HEADER: csrf, "Origin": console.url}
+    status, _, body = call(console.url + "/api/clear", data=clear, headers=hdr, method="POST")
+    out = json.loads(body)
+    assert status == 200 and out["cleared"] and out["audit"]["who"] == "tester (console)"
+    status, _, body = call(console.url + "/api/clear", data=clear, headers=hdr, method="POST")
+    assert status == 404  # nothing left to clear
+
+
+def test_live_lease_refused_over_http_unless_forced(
+    fence: EffectFence, console: ConsoleServer
+) -> None:
+    fence.prepare(req(1))
+    hdr = {CSRF_HEADER: console.console._open_csrf}
+    body = {"intent": "charge:1", "reason": "stuck?"}
+    status, _, out = call(console.url + "/api/clear", data=body, headers=hdr, method="POST")
+    assert status == 409 and json.loads(out)["code"] == "intent_in_flight"
+    status, _, out = call(
+        console.url + "/api/clear", data={**body, "force": True}, headers=hdr, method="POST"
+    )
+    assert status == 200 and json.loads(out)["audit"]["forced"] is True
+    status, _, out = call(
+        console.url + "/api/clear", data={"intent": "x", "reason": ""}, headers=hdr, method="POST"
+    )
+    assert status == 400
+
+
+def test_unknown_host_is_refused(console: ConsoleServer) -> None:
+    status, _, _ = call(console.url + "/", headers={"Host": "attacker.example:80"})
+    assert status == 421
+
+
+def test_with_tokens_every_page_needs_them(fence: EffectFence) -> None:
+    from effectfence.mcp.http import Principals
+
+    server = serve(fence, principals=Principals.parse(f"ops {TOKEN}"))
+    server.start(every=5.0)
+    try:
+        base = server.url
+        assert call(base + "/healthz")[0] == 200
+        assert call(base + "/api/intents")[0] == 401
+        status, headers, _ = call(base + "/")
+        assert status == 303 and headers["Location"] == "/login"
+        bearer = {"Authorization": f"Bearer {TOKEN}"}
+        assert call(base + "/api/intents", headers=bearer)[0] == 200
+        form = f"token={TOKEN}".encode()
+        ctype = {"Content-Type": "application/x-www-form-urlencoded"}
+        status, _, _ = call(
+            base + "/login",
+            data=form,
+            method="POST",
+            headers={**ctype, "Origin": "http://evil.example"},
+        )
+        assert status == 403
+        status, _, _ = call(
+            base + "/login", data=b"token=wrong-token-xxxxxxxxxx", method="POST", headers=ctype
+        )
+        assert status == 401
+        status, headers, _ = call(base + "/login", data=form, method="POST", headers=ctype)
+        cookie = headers["Set-Cookie"]
+        assert status == 303 and "HttpOnly" in cookie and "SameSite=Strict" in cookie
+        session = {"Cookie": cookie.split(";")[0]}
+        status, _, page = call(base + "/", headers=session)
+        assert status == 200 and b"signed in as ops" in page
+        fence.abort(fence.prepare(req(1)).ticket, "x")  # type: ignore[union-attr]
+        body = {"intent": "charge:1", "reason": "done by ops"}
+        # a session (a browser) needs its CSRF token; a bearer client does not
+        assert call(base + "/api/clear", data=body, headers=session, method="POST")[0] == 403
+        status, _, out = call(base + "/api/clear", data=body, headers=bearer, method="POST")
+        assert status == 200 and json.loads(out)["audit"]["who"] == "ops (console)"
+    finally:
+        server.stop()
+
+
+def test_payloads_shown_only_when_asked(fence: EffectFence) -> None:
+    t = fence.prepare(req(1)).ticket  # type: ignore[union-attr]
+    fence.commit(t, {"receipt": SECRET})
+    for show, expect in ((False, False), (True, True)):
+        server = serve(fence, show_payload=show)
+        server.start(every=5.0)
+        try:
+            _, _, page = call(server.url + "/intent?id=charge%3A1")
+            _, _, api = call(server.url + "/api/intent?id=charge%3A1")
+            assert (SECRET.encode() in page) is expect and (SECRET.encode() in api) is expect
+            assert b"BROKEN" not in page and b"id=chain>OK" in page
+        finally:
+            server.stop()
+
+
+# -- the browser -----------------------------------------------------------------------------------
+
+
+def _install_chromium() -> str | None:
+    """Install Debian's chromium and its driver if missing; None if they run, else why not."""
+    if shutil.which("chromium") and shutil.which("chromedriver"):
+        return None
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        return "chromium/chromedriver missing (apt-get install chromium chromium-driver, as root)"
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for cmd in (
+        ["apt-get", "update", "-q"],
+        ["apt-get", "install", "-y", "-q", "chromium", "chromium-driver"],
+    ):
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+        if done.returncode:
+            return f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}"
+    return None if shutil.which("chromedriver") else "chromedriver still missing after install"
+
+
+@pytest.fixture(scope="session")
+def browser() -> Iterator[Any]:
+    why = _install_chromium()
+    webdriver: Any = None
+    if why is None:
+        try:
+            from selenium import webdriver
+        except ImportError as exc:
+            why = f"selenium is not installed ({exc}): pip install -e '.[test]'"
+    if why is not None:
+        if REQUIRE:
+            pytest.fail(f"{why}; EFFECTFENCE_REQUIRE_SERVICES=1 makes this a failure")
+        pytest.skip(why)
+    from selenium.webdriver.chrome.service import Service
+
+    profile = tempfile.mkdtemp(prefix="effectfence-chromium-")
+    options = webdriver.ChromeOptions()
+    options.binary_location = shutil.which("chromium")
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--window-size=1100,1000",
+        f"--user-data-dir={profile}",
+    ):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(options=options, service=Service(shutil.which("chromedriver")))
+    driver.set_page_load_timeout(20)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+def test_console_in_a_browser(fence: EffectFence, console: ConsoleServer, browser: Any) -> None:
+    """Open the page, see a failed intent appear after one aborts, clear it with a reason,
+    see it gone and the audit entry present."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    wait = WebDriverWait(browser, 15)
+    row = (By.CSS_SELECTOR, "#intents tr[data-intent='charge:1']")
+    browser.get(console.url + "/")
+    wait.until(ec.presence_of_element_located((By.ID, "intents")))
+    assert browser.find_elements(*row) == []
+
+    fence.abort(fence.prepare(req(1)).ticket, "bank timeout")  # type: ignore[union-attr]
+    fence.prepare(req(2))  # one in flight, to sit beside it
+    wait.until(ec.text_to_be_present_in_element(row, "failed"))  # live update: no reload
+    assert "bank timeout" in browser.find_element(*row).text
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#chart polyline"))
+    ARTIFACTS.mkdir(exist_ok=True)
+    browser.save_screenshot(str(ARTIFACTS / "console-failed.png"))
+
+    browser.find_element(By.LINK_TEXT, "charge:1").click()
+    wait.until(ec.presence_of_element_located((By.ID, "clear-form")))
+    assert SECRET not in browser.page_source
+    browser.find_element(By.ID, "clear").click()  # no reason: the form does not go
+    assert browser.find_element(By.ID, "result").text == ""
+    assert fence.intent_status("charge:1").state == "failed"
+    browser.find_element(By.ID, "reason").send_keys("refunded by hand, ticket #81")
+    browser.find_element(By.ID, "clear").click()
+    wait.until(ec.text_to_be_present_in_element((By.ID, "result"), "cleared: audit #"))
+    assert fence.intent_status("charge:1").state == "absent"
+
+    browser.get(console.url + "/")
+    wait.until(ec.text_to_be_present_in_element((By.ID, "audit"), "refunded by hand, ticket #81"))
+    wait.until(lambda d: not d.find_elements(*row))
+    assert browser.find_elements(By.CSS_SELECTOR, "#intents tr[data-intent='charge:2']")
+    audit = browser.find_element(By.ID, "audit").text
+    assert "tester (console)" in audit and "failed" in audit
+    shot = ARTIFACTS / "console.png"
+    browser.save_screenshot(str(shot))
+    assert shot.stat().st_size > 0
+    print(f"\nscreenshot: {shot}")

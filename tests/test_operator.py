@@ -1,0 +1,316 @@
+"""The operator's side (issue #15): clear with a recorded reason, list, show, watch, certs.
+
+Every test runs on every store of ``support.STORES`` (memory in-process, SQLite,
+PostgreSQL, Redis) through the commands' ``main`` with the fence injected; one test runs
+the real ``effectfence`` processes against a SQLite file, as an operator would.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support import FakeClock, FenceFactory, sqlite_path
+
+from effectfence import EffectFence, EffectRequest, FenceConfig, IntentFailed, IntentInFlight
+from effectfence.errors import CLEAR_COMMAND, InvalidRequest
+from effectfence.operator import certs, intents
+from effectfence.operator.trail import check_trail, load_lines
+
+SECRET = "4111-1111-1111-1111"  # what must never show without --show-payload
+
+
+def req(n: int | str, domain: str = "order:1", agent: str = "agent-a") -> EffectRequest:
+    return EffectRequest(f"charge:{n}", domain, "charge", {"card": SECRET, "n": str(n)}, agent)
+
+
+def aborted(fence: EffectFence, n: int | str, reason: str = "bank timeout") -> None:
+    fence.abort(fence.prepare(req(n)).ticket, reason)  # type: ignore[union-attr]
+
+
+def committed(fence: EffectFence, n: int | str, domain: str = "order:1") -> Any:
+    t = fence.prepare(req(n, domain)).ticket  # type: ignore[union-attr]
+    return fence.commit(t, {"receipt": SECRET})
+
+
+def run(main: Any, fence: EffectFence, *argv: str) -> tuple[int, str]:
+    out = io.StringIO()
+    code = main(list(argv), fence=fence, out=out)
+    return code, out.getvalue()
+
+
+# -- the rule, in the core -------------------------------------------------------------------------
+
+
+def test_clear_of_a_live_lease_is_refused_without_force(fence: EffectFence) -> None:
+    fence.prepare(req(1))
+    before = fence.intent_status("charge:1")
+    with pytest.raises(IntentInFlight) as ei:
+        fence.clear("charge:1", reason="looks stuck", who="ops")
+    assert "force" in ei.value.recover and ei.value.holder == "agent-a"
+    assert fence.intent_status("charge:1") == before, "a refused clear changes nothing"
+    assert fence.audit() == [], "and records nothing"
+    entry = fence.clear("charge:1", reason="holder host is dead", who="ops", force=True)
+    assert entry is not None and entry.forced and entry.previous["state"] == "in_flight"
+    assert fence.intent_status("charge:1").state == "absent"
+
+
+def test_clear_of_a_lapsed_lease_needs_no_force(fence: EffectFence, clock: FakeClock) -> None:
+    fence.prepare(req(1))
+    clock.advance(11.0)  # lease_ttl is 10
+    entry = fence.clear("charge:1", reason="holder gone", who="ops")
+    assert entry is not None and not entry.forced
+    assert entry.previous["state"] == "in_flight_lapsed"
+
+
+def test_cleared_intent_records_who_when_why(fence: EffectFence, clock: FakeClock) -> None:
+    aborted(fence, 1)
+    with pytest.raises(IntentFailed) as ei:
+        fence.prepare(req(1))
+    assert CLEAR_COMMAND in ei.value.recover  # the hint names what an operator runs
+    assert CLEAR_COMMAND in ei.value.to_payload()["recover"]  # and so does MCP's payload
+    clock.advance(5.0)
+    entry = fence.clear("charge:1", reason="refunded by hand, ticket #81", who="alice")
+    assert entry is not None
+    assert (entry.who, entry.reason, entry.intent) == (
+        "alice",
+        "refunded by hand, ticket #81",
+        "charge:1",
+    )
+    assert entry.at == pytest.approx(fence.store.now())
+    assert entry.previous["failure"] == "bank timeout"
+    assert entry.previous["failed_for"] == pytest.approx(5.0)
+    assert SECRET not in json.dumps(entry.to_dict())
+    assert fence.audit("charge:1") == [entry]
+    assert fence.prepare(req(1)).fresh, "cleared: a retry may run"
+    assert fence.stats()["clears"] == 1
+
+
+def test_clear_wants_a_reason_and_who(fence: EffectFence) -> None:
+    aborted(fence, 1)
+    for bad in ("", "   ", "x" * 5000):
+        with pytest.raises(InvalidRequest):
+            fence.clear("charge:1", reason=bad, who="ops")
+    with pytest.raises(InvalidRequest):
+        fence.clear("charge:1", reason="ok", who="")
+    assert fence.intent_status("charge:1").state == "failed"
+    assert fence.clear("charge:nothing", reason="typo?", who="ops") is None
+    assert fence.audit() == []
+
+
+def test_clear_intent_keeps_its_meaning_and_is_recorded(fence: EffectFence) -> None:
+    fence.prepare(req(1))  # a live lease: the library's one-argument form clears it, as before
+    assert fence.clear_intent("charge:1")
+    (entry,) = fence.audit()
+    assert entry.who == "library" and entry.forced and "without a reason" in entry.reason
+
+
+# -- the commands, on every store ------------------------------------------------------------------
+
+
+def test_intents_list_filters_and_hides_payloads(fence: EffectFence, clock: FakeClock) -> None:
+    aborted(fence, 1)
+    committed(fence, 2)
+    fence.prepare(req(3, agent="agent-b"))
+    clock.advance(60.0)
+    aborted(fence, 4)
+    code, text = run(intents.main, fence, "list", "--json")
+    rows = {r["intent"]: r for r in json.loads(text)}
+    assert code == 0 and set(rows) == {"charge:1", "charge:2", "charge:3", "charge:4"}
+    assert rows["charge:3"]["state"] == "in_flight_lapsed"
+    assert SECRET not in text
+    _, text = run(intents.main, fence, "list", "--json", "--state", "failed")
+    assert {r["intent"] for r in json.loads(text)} == {"charge:1", "charge:4"}
+    _, text = run(intents.main, fence, "list", "--json", "--state", "failed", "--older-than", "1m")
+    assert [r["intent"] for r in json.loads(text)] == ["charge:1"]
+    _, text = run(intents.main, fence, "list", "--json", "--agent", "agent-b")
+    assert [r["intent"] for r in json.loads(text)] == ["charge:3"]
+    _, text = run(intents.main, fence, "list", "--json", "--domain", "elsewhere")
+    assert json.loads(text) == []
+    code, text = run(intents.main, fence, "list")
+    assert code == 0 and "bank timeout" in text and "(4 intents)" in text and SECRET not in text
+
+
+def test_intents_show_and_clear_with_reason(fence: EffectFence) -> None:
+    aborted(fence, 1)
+    committed(fence, 2)
+    code, text = run(intents.main, fence, "show", "charge:1", "--json")
+    view = json.loads(text)
+    assert code == 0 and view["state"] == "failed" and view["failure"] == "bank timeout"
+    assert view["holder"] == "agent-a" and view["token"] >= 1 and view["audit"] == []
+    code, text = run(intents.main, fence, "show", "charge:2", "--json")
+    cert = json.loads(text)["cert"]
+    assert cert["verifies"] and "args" not in cert and SECRET not in text
+    code, text = run(intents.main, fence, "show", "charge:2", "--json", "--show-payload")
+    assert json.loads(text)["cert"]["result"] == {"receipt": SECRET}  # only when asked
+    code, text = run(
+        intents.main, fence, "clear", "charge:1", "--reason", "refunded", "--who", "alice"
+    )
+    assert code == 0 and "audit #" in text
+    code, text = run(intents.main, fence, "show", "charge:1", "--json")
+    view = json.loads(text)
+    assert view["state"] == "absent"
+    (entry,) = view["audit"]
+    assert (entry["reason"], entry["who"], entry["previous"]["state"]) == (
+        "refunded",
+        "alice",
+        "failed",
+    )
+    code, text = run(intents.main, fence, "show", "charge:nope")
+    assert code == intents.NOT_FOUND
+    code, _ = run(intents.main, fence, "clear", "charge:nope", "--reason", "x")
+    assert code == intents.NOT_FOUND
+
+
+def test_intents_clear_of_a_live_lease_refused_without_force(
+    fence: EffectFence, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fence.prepare(req(1))
+    code, _ = run(intents.main, fence, "clear", "charge:1", "--reason", "stuck?")
+    assert code == 1
+    assert "intent_in_flight" in capsys.readouterr().err
+    assert fence.intent_status("charge:1").state == "in_flight"
+    code, text = run(
+        intents.main, fence, "clear", "charge:1", "--reason", "host died", "--force", "--json"
+    )
+    out = json.loads(text)
+    assert code == 0 and out["cleared"] and out["audit"]["forced"]
+
+
+def test_intents_watch_reports_changes(fence: EffectFence) -> None:
+    aborted(fence, 1)
+    fence.prepare(req(2))
+
+    # two looks; between them (in the first sleep) an intent fails and one is cleared
+    class Changing(io.StringIO):
+        looks = 0
+
+        def flush(self) -> None:
+            Changing.looks += 1
+            if Changing.looks == 1:
+                aborted(fence, 3)
+                fence.clear("charge:1", reason="reconciled", who="bob")
+
+    out = Changing()
+    code = intents.main(
+        ["watch", "--json", "--count", "2", "--interval", "0"], fence=fence, out=out
+    )
+    events = [json.loads(line) for line in out.getvalue().splitlines()]
+    first = {(e["event"], e["intent"]) for e in events[:2]}
+    assert code == 0 and first == {("appeared", "charge:1"), ("appeared", "charge:2")}
+    later = {(e["event"], e["intent"]) for e in events[2:]}
+    assert later == {("appeared", "charge:3"), ("gone", "charge:1"), ("audit", "charge:1")}
+    assert SECRET not in out.getvalue()
+
+
+def test_certs_export_and_verify_from_the_store(
+    fence: EffectFence, store_kind: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for n in range(1, 5):
+        committed(fence, n)
+    aborted(fence, 5)  # reserves seq 5 and commits nothing: a gap, not damage
+    committed(fence, 6)
+    if store_kind.startswith("memory"):
+        code, _ = run(certs.main, fence, "order:1", "--verify")
+        assert code == 1 and "keeps no certificate trail" in capsys.readouterr().err
+        return
+    code, text = run(certs.main, fence, "order:1", "--verify", "--json")
+    report = json.loads(text)
+    assert code == 0 and report["ok"] and report["length"] == 5, report
+    assert report["gaps"] == [[5, 5]] and report["first_seq"] == 1
+    code, redacted = run(certs.main, fence, "order:1")
+    assert code == 0 and len(redacted.splitlines()) == 5 and SECRET not in redacted
+    code, full = run(certs.main, fence, "order:1", "--show-payload")
+    lines = full.splitlines()
+    assert [json.loads(x)["seq"] for x in lines] == [1, 2, 3, 4, 6] and SECRET in full
+    code, text = run(certs.main, fence, "order:1", "--after", "2", "--limit", "2", "--show-payload")
+    assert [json.loads(x)["seq"] for x in text.splitlines()] == [3, 4]
+    # the export verifies offline; a redacted one is refused, with the reason
+    assert check_trail(*load_lines(lines)[:2]).ok
+    certs_, _lines, complaint = load_lines(redacted.splitlines())
+    assert certs_ == [] and "missing fields" in complaint
+
+
+def _trail(fence: EffectFence) -> list[str]:
+    for n in range(1, 6):
+        committed(fence, n)
+    return [json.dumps(c.to_dict()) for c in fence.store.certs("order:1")]  # type: ignore[attr-defined]
+
+
+def test_tampered_and_broken_exports_are_reported_at_their_seq(tmp_path: Path) -> None:
+    fence = EffectFence.from_url(f"sqlite:///{sqlite_path().lstrip('/')}")
+    lines = _trail(fence)
+    fence.close()
+    good = tmp_path / "good.jsonl"
+    good.write_text("\n".join(lines) + "\n")
+    out = io.StringIO()
+    assert certs.main(["--file", str(good), "--verify"], out=out) == 0
+    assert out.getvalue().startswith("OK: 5 certificate(s)")
+
+    tampered = [json.loads(x) for x in lines]
+    tampered[2]["result"] = {"receipt": "refunded"}  # an edit to seq 3
+    bad = tmp_path / "tampered.jsonl"
+    bad.write_text("\n".join(json.dumps(x) for x in tampered) + "\n")
+    out = io.StringIO()
+    assert certs.main(["--file", str(bad), "--verify", "--json"], out=out) == 1
+    report = json.loads(out.getvalue())
+    assert report["broken_at_seq"] == 3 and report["broken_at_line"] == 3
+    assert report["tampered"] == [3] and "hash does not match" in report["reason"]
+
+    broken = tmp_path / "broken.jsonl"  # seq 3 removed: seq 4's parent links to nothing
+    broken.write_text("\n".join(lines[:2] + lines[3:]) + "\n")
+    out = io.StringIO()
+    assert certs.main(["--file", str(broken), "--verify", "--json"], out=out) == 1
+    report = json.loads(out.getvalue())
+    assert report["broken_at_seq"] == 4 and report["broken_at_line"] == 3
+    assert report["tampered"] == [] and report["gaps"] == [[3, 3]]
+
+    swapped = tmp_path / "swapped.jsonl"  # out of seq order
+    swapped.write_text("\n".join([lines[1], lines[0], *lines[2:]]) + "\n")
+    out = io.StringIO()
+    assert certs.main(["--file", str(swapped), "--verify"], out=out) == 1
+    assert "breaks at seq 1 (line 2)" in out.getvalue()
+
+
+def test_commands_as_processes_against_sqlite(tmp_path: Path) -> None:
+    """What an operator types, against the file the servers share."""
+    url = f"sqlite:///{sqlite_path().lstrip('/')}"
+    fence = EffectFence.from_url(url, FenceConfig())
+    aborted(fence, 1)
+    fence.prepare(req(2))
+    committed(fence, 3)
+    env = {**os.environ, "EFFECTFENCE_STORE": url}  # the servers' default store
+    base = [sys.executable, "-m", "effectfence"]
+
+    def cli(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*base, *argv], capture_output=True, text=True, env=env, timeout=60)
+
+    listed = cli("intents", "list", "--state", "failed")
+    assert (
+        listed.returncode == 0 and "charge:1" in listed.stdout and "charge:2" not in listed.stdout
+    )
+    refused = cli("intents", "clear", "charge:2", "--reason", "stuck")
+    assert refused.returncode == 1 and "--force" in refused.stderr
+    cleared = cli("intents", "clear", "charge:1", "--reason", "refunded by hand", "--who", "carol")
+    assert cleared.returncode == 0, cleared.stderr
+    shown = cli("intents", "show", "charge:1")
+    assert "clear by carol (was failed): refunded by hand" in shown.stdout
+    # the fence in this process (another process, for the store) sees the clear
+    assert fence.intent_status("charge:1").state == "absent"
+    assert fence.audit()[-1].who == "carol"
+    verified = cli("certs", "order:1", "--verify")
+    assert verified.returncode == 0 and verified.stdout.startswith("OK: 1 certificate(s)")
+    for p in (listed, shown, verified):
+        assert SECRET not in p.stdout
+    fence.close()
+
+
+@pytest.fixture
+def fence(make_fence: FenceFactory) -> EffectFence:
+    return make_fence(lease_ttl=10.0, result_ttl=100.0)

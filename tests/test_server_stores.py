@@ -1,0 +1,442 @@
+"""What only the server stores (PostgreSQL, Redis) have to prove, on real servers.
+
+The contract itself is proven by test_store_contract (both are in ``support.STORES``). Here:
+real processes storm one intent (executions counted at a sink file opened O_APPEND, outside
+the store), connections cut before and in the middle of a step and replies lost after it,
+a new process replaying what an old one committed, and a client wall clock that jumps.
+
+No sleep-and-hope: processes start together on a "go" line, threads on a Barrier, and a step
+"in the middle" is one blocked on a lock (PostgreSQL) or a paused server (Redis) that the test
+sees blocked on the server before it cuts the connection.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support import (
+    PG_DSN,
+    REDIS_URL,
+    drop_pg_schema,
+    drop_redis_prefix,
+    need,
+    unique_name,
+)
+
+from effectfence import (
+    EffectFence,
+    EffectRequest,
+    FenceConfig,
+    IntentInFlight,
+    LeaseLost,
+    StoreUnavailable,
+)
+from effectfence.protocol import State
+from effectfence.store import open_store
+
+WORKER = str(Path(__file__).with_name("server_worker.py"))
+KINDS = ["postgres", "redis"]
+
+
+def with_query(url: str, **q: str) -> str:
+    sep = "&" if "?" in url else "?"
+    return url + sep + "&".join(f"{k}={v}" for k, v in q.items())
+
+
+@pytest.fixture(params=KINDS)
+def url(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A store URL with a schema / prefix of its own, removed afterwards."""
+    kind = request.param
+    need("pg" if kind == "postgres" else "redis")
+    name = unique_name(kind)
+    if kind == "postgres":
+        yield with_query(PG_DSN, schema=name)
+        drop_pg_schema(name)
+    else:
+        yield with_query(REDIS_URL, prefix=name)
+        drop_redis_prefix(name)
+
+
+def req(intent: str = "charge:1", agent: str = "a", domain: str = "order:777") -> EffectRequest:
+    return EffectRequest(intent, domain, "charge", {"cents": 77700}, agent)
+
+
+def spawn(mode: str, **args: Any) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, WORKER, mode, json.dumps(args)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=str(Path(__file__).parent),
+    )
+
+
+def run(mode: str, **args: Any) -> dict[str, Any]:
+    p = subprocess.run(
+        [sys.executable, WORKER, mode, json.dumps(args)],
+        capture_output=True,
+        text=True,
+        cwd=str(Path(__file__).parent),
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stderr
+    out: dict[str, Any] = json.loads(p.stdout.strip().splitlines()[-1])
+    return out
+
+
+def until(cond: Callable[[], Any], what: str, timeout: float = 20.0) -> Any:
+    """Poll the *server's* state until ``cond()`` holds (bounded): an observed fact, not a
+    guess about timing."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+# -- processes ------------------------------------------------------------------------------------
+
+
+def test_process_storm_executes_once(url: str, tmp_path: Path) -> None:
+    """4 processes x 8 threads, 1,024 attempts on one intent: one execution at the sink."""
+    sink = str(tmp_path / "sink")
+    procs = [
+        spawn("storm", url=url, sink=sink, intent="storm:1", threads=8, attempts=32)
+        for _ in range(4)
+    ]
+    for p in procs:
+        assert p.stdout is not None
+        assert p.stdout.readline().strip() == "ready", p.poll()
+    for p in procs:  # all parked on their barriers: release them together
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    results = []
+    for p in procs:
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, out
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    lines = Path(sink).read_text().splitlines()
+    assert len(lines) == 1, lines
+    assert sum(r["fresh"] for r in results) == 1
+    assert sum(r["errors"] + r["unavailable"] for r in results) == 0, results
+    total = sum(r["fresh"] + r["replay"] + r["in_flight"] for r in results)
+    assert total == 4 * 8 * 32
+    assert len({h for r in results for h in r["hashes"]}) == 1  # every replay: the same cert
+
+
+def test_a_new_process_replays_what_an_old_one_committed(url: str) -> None:
+    """Restart of the client: the record is in the server, the new process replays it.
+
+    PostgreSQL keeps a committed step across a server restart too (synchronous_commit on,
+    checked at connect). Redis keeps it across a *server* restart only with appendonly yes +
+    appendfsync always (reported by durability()); this test restarts the client process."""
+    first = run("commit_one", url=url, intent="restart:1")
+    assert first["fresh"]
+    second = run("commit_one", url=url, intent="restart:1", agent="second")
+    assert second == {"fresh": False, "hash": first["hash"], "verify": True}
+
+
+# -- faults: PostgreSQL -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def pg() -> Iterator[Any]:
+    need("pg")
+    from effectfence.store.postgres import PostgresStore
+
+    schema = unique_name("pgfault")
+    store = PostgresStore(PG_DSN, schema=schema, pool_max=4)
+    yield store
+    store.close()
+    drop_pg_schema(schema)
+
+
+def _pg_admin() -> Any:
+    import psycopg
+
+    return psycopg.connect(PG_DSN, autocommit=True)
+
+
+def _blocked_pids(admin: Any, schema: str, fn: str) -> list[int]:
+    rows = admin.execute(
+        "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE %s",
+        (f'%"{schema}".{fn}(%',),
+    ).fetchall()
+    return [r[0] for r in rows]
+
+
+def _lock_domain(schema: str, domain: str) -> Any:
+    """Hold a domain's row lock in an open transaction: steps on it block there."""
+    import psycopg
+
+    blocker = psycopg.connect(PG_DSN)
+    blocker.execute(f'SELECT 1 FROM "{schema}".domains WHERE domain = %s FOR UPDATE', (domain,))
+    return blocker
+
+
+def test_pg_connection_cut_mid_claim_is_unavailable_and_leaves_nothing(pg: Any) -> None:
+    fence = EffectFence(store=pg)
+    fence.commit(fence.prepare(req("other")).ticket, "x")  # the domain row exists
+    before = (pg.current("order:777"), pg.size())
+    blocker = _lock_domain(pg.schema, "order:777")
+    got: list[Any] = []
+    t = threading.Thread(target=lambda: got.append(_catch(lambda: fence.prepare(req()))))
+    t.start()
+    with _pg_admin() as admin:
+        (pid,) = until(lambda: _blocked_pids(admin, pg.schema, "claim"), "a blocked claim")
+        admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+    t.join(timeout=30)
+    blocker.rollback()
+    blocker.close()
+    assert isinstance(got[0], StoreUnavailable), got
+    assert got[0].code == "store_unavailable"
+    assert pg.get("charge:1") is None  # nothing half-written
+    assert (pg.current("order:777"), pg.size()) == before
+    assert fence.prepare(req()).fresh  # and the intent is free
+
+
+def test_pg_connection_cut_mid_complete_answers_from_the_store(pg: Any) -> None:
+    fence = EffectFence(store=pg)
+    ticket = fence.prepare(req()).ticket
+    blocker = _lock_domain(pg.schema, "order:777")
+    got: list[Any] = []
+    t = threading.Thread(target=lambda: got.append(_catch(lambda: fence.commit(ticket, "r"))))
+    t.start()
+    with _pg_admin() as admin:
+        (pid,) = until(lambda: _blocked_pids(admin, pg.schema, "complete"), "a blocked commit")
+        admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        # the cut step rolled back: nothing is marked done that did not commit
+        rec = until(lambda: pg.get("charge:1"), "the record")
+        assert rec.state is State.IN_FLIGHT and rec.token == ticket.token
+        # the store re-read, found its token in flight, and ran the step again: blocked anew
+        until(
+            lambda: [p for p in _blocked_pids(admin, pg.schema, "complete") if p != pid],
+            "the retried commit",
+        )
+    blocker.rollback()
+    blocker.close()
+    t.join(timeout=30)
+    cert = got[0]
+    assert not isinstance(cert, BaseException), cert
+    assert cert.verify()
+    assert fence.prepare(req(agent="b")).cert.hash == cert.hash
+    assert [c.hash for c in pg.certs("order:777")] == [cert.hash]  # one cert, not two
+
+
+def test_pg_reply_lost_after_commit_is_not_a_lie(pg: Any) -> None:
+    """The commit applied and its reply was lost: the store re-reads and says APPLIED."""
+    import psycopg
+
+    fence = EffectFence(store=pg)
+    ticket = fence.prepare(req()).ticket
+    real = pg._execute
+
+    def lose_reply(conn: Any, query: Any, params: Any) -> Any:
+        rows = real(conn, query, params)
+        if query is pg._q_complete:
+            conn.close()
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return rows
+
+    pg._execute = lose_reply
+    try:
+        cert = fence.commit(ticket, "r")
+    finally:
+        pg._execute = real
+    assert fence.prepare(req(agent="b")).cert.hash == cert.hash
+    assert len(list(pg.certs("order:777"))) == 1
+
+
+def test_pg_idle_connections_cut_before_a_step_cost_a_reconnect(pg: Any) -> None:
+    fence = EffectFence(store=pg)
+    fence.prepare(req("warm"))  # the pool holds a connection
+    with _pg_admin() as admin:
+        n = admin.execute(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE application_name = '' AND backend_type = 'client backend' AND pid IN "
+            "(SELECT pid FROM pg_stat_activity WHERE query LIKE %s)",
+            (f'%"{pg.schema}"%',),
+        ).fetchone()[0]
+    assert n >= 1
+    adm = fence.prepare(req())  # not StoreUnavailable: the dead connection was never used
+    assert adm.fresh
+
+
+def _catch(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except BaseException as exc:
+        return exc
+
+
+# -- faults: Redis ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def rs() -> Iterator[Any]:
+    need("redis")
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    from effectfence.store.redis import RedisStore
+
+    prefix = unique_name("redisfault")
+    client = redis.Redis.from_url(REDIS_URL, client_name=prefix, retry=Retry(NoBackoff(), 0))
+    store = RedisStore(client=client, prefix=prefix)
+    yield store
+    store.close()
+    client.close()
+    drop_redis_prefix(prefix)
+
+
+def _clients(admin: Any, name: str, cmd: str | None = None) -> list[int]:
+    return [
+        int(c["id"])
+        for c in admin.client_list()
+        if c.get("name") == name and (cmd is None or c.get("cmd") == cmd)
+    ]
+
+
+def test_redis_connections_killed_before_a_step_answer_correctly(rs: Any) -> None:
+    import redis
+
+    fence = EffectFence(store=rs)
+    ticket = fence.prepare(req()).ticket
+    admin = redis.Redis.from_url(REDIS_URL)
+    for cid in _clients(admin, rs.prefix):
+        admin.client_kill_filter(_id=cid)
+    cert = fence.commit(ticket, "r")  # a killed idle connection is replaced, not used
+    assert fence.prepare(req(agent="b")).cert.hash == cert.hash
+    admin.close()
+
+
+def test_redis_connection_killed_mid_complete_answers_from_the_store(rs: Any) -> None:
+    """CLIENT PAUSE WRITE holds the commit's script unrun on the server; the test kills that
+    connection, sees the record still in flight, and lets the store's retry through."""
+    import redis
+
+    fence = EffectFence(store=rs)
+    ticket = fence.prepare(req()).ticket
+    admin = redis.Redis.from_url(REDIS_URL)
+    admin.execute_command("CLIENT", "PAUSE", 20000, "WRITE")
+    try:
+        got: list[Any] = []
+        t = threading.Thread(target=lambda: got.append(_catch(lambda: fence.commit(ticket, "r"))))
+        t.start()
+        (cid,) = until(lambda: _clients(admin, rs.prefix, "evalsha"), "a paused commit")
+        admin.client_kill_filter(_id=cid)
+        until(
+            lambda: [c for c in _clients(admin, rs.prefix, "evalsha") if c != cid],
+            "the retried commit",
+        )
+        rec = rs.get("charge:1")  # reads are not paused
+        assert rec.state is State.IN_FLIGHT and rec.token == ticket.token
+    finally:
+        admin.execute_command("CLIENT", "UNPAUSE")
+    t.join(timeout=30)
+    cert = got[0]
+    assert not isinstance(cert, BaseException), cert
+    assert fence.prepare(req(agent="b")).cert.hash == cert.hash
+    assert [c.hash for c in rs.certs("order:777")] == [cert.hash]
+    admin.close()
+
+
+def test_redis_reply_lost_after_commit_is_not_a_lie(rs: Any) -> None:
+    import redis
+
+    fence = EffectFence(store=rs)
+    ticket = fence.prepare(req()).ticket
+    real = rs._s_complete
+
+    def lose_reply(*a: Any, **kw: Any) -> Any:
+        real(*a, **kw)
+        raise redis.ConnectionError("Connection closed by server.")
+
+    rs._s_complete = lose_reply
+    try:
+        cert = fence.commit(ticket, "r")
+    finally:
+        rs._s_complete = real
+    assert fence.prepare(req(agent="b")).cert.hash == cert.hash
+
+
+def test_redis_claim_reply_lost_is_unavailable_never_fresh(rs: Any) -> None:
+    """A claim whose reply is lost may have taken the lease: the caller runs nothing."""
+    import redis
+
+    fence = EffectFence(store=rs)
+    real = rs._s_claim
+
+    def lose_reply(*a: Any, **kw: Any) -> Any:
+        real(*a, **kw)
+        raise redis.ConnectionError("Connection closed by server.")
+
+    rs._s_claim = lose_reply
+    try:
+        with pytest.raises(StoreUnavailable):
+            fence.prepare(req())
+    finally:
+        rs._s_claim = real
+    with pytest.raises(IntentInFlight):  # the lease it took lapses like a crashed holder's
+        fence.prepare(req(agent="b"))
+    assert fence.stats()["prepare"]["store_unavailable"] == 1
+
+
+def test_redis_reports_its_persistence(rs: Any) -> None:
+    d = rs.durability()
+    assert d["appendonly"] in ("yes", "no") and "verdict" in d
+    safe = d["appendonly"] == "yes" and d["appendfsync"] == "always"
+    assert d["acknowledged_writes_survive_a_crash"] is safe
+    assert rs.describe()["durability"] == d
+
+
+def test_pg_describe_reports_synchronous_commit(pg: Any) -> None:
+    d = pg.describe()
+    assert d["synchronous_commit"] != "off"
+    assert d["schema"] == pg.schema and d["schema_version"] >= 1
+
+
+# -- clock: the server decides --------------------------------------------------------------------
+
+
+def test_client_clock_jumps_can_neither_steal_nor_keep_a_lease(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    holder = EffectFence(FenceConfig(lease_ttl=30.0), store=open_store(url))
+    ticket = holder.prepare(req()).ticket
+    other = EffectFence(FenceConfig(lease_ttl=30.0), store=open_store(url))
+    real_time, real_mono = time.time, time.monotonic
+    # steal: the other client's clock is an hour ahead; the lease is still live on the server
+    monkeypatch.setattr(time, "time", lambda: real_time() + 3600)
+    monkeypatch.setattr(time, "monotonic", lambda: real_mono() + 3600)
+    with pytest.raises(IntentInFlight):
+        other.prepare(req(agent="thief"))
+    # keep: the holder's clock is an hour behind; its renewal is judged by the server's
+    monkeypatch.setattr(time, "time", lambda: real_time() - 3600)
+    monkeypatch.setattr(time, "monotonic", lambda: real_mono() - 3600)
+    server_now = holder.store.now()
+    until_ = holder.renew(ticket, ttl=0.2)
+    assert server_now < until_ <= server_now + 0.2 + 5.0  # server time + ttl, not the client's
+    monkeypatch.undo()
+    # the short lease lapses on the server's clock (observed there), and is taken over
+    until(lambda: other.store.now() >= until_, "the server's clock to pass the lease")
+    taken = other.prepare(req(agent="b"))
+    assert taken.fresh and taken.takeover
+    with pytest.raises(LeaseLost):
+        holder.commit(ticket, "too late")
+    other.commit(taken.ticket, "b")
+    holder.close()
+    other.close()
