@@ -41,7 +41,9 @@ def open_store(url: str, **options: Any) -> FenceStore:
         )
     module, name = SCHEMES[scheme]
     if scheme == "memory":
-        return MemoryStore(**options)
+        from effectfence.store.cmemory import memory_store
+
+        return memory_store(**options)
     try:
         cls = getattr(importlib.import_module(module), name)
     except ImportError as exc:
