@@ -32,8 +32,29 @@ def info_main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="effectfence info", description=info_main.__doc__)
     parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument(
+        "--store",
+        metavar="URL",
+        help="also open this store (memory:, sqlite:///path/fence.db, ...) and print its "
+        "name, location and durability settings",
+    )
     args = parser.parse_args(argv)
     data = {"effectfence": __version__, "python": sys.version.split()[0], **backend_info()}
+    if args.store is not None:
+        from effectfence.errors import StoreUnavailable
+        from effectfence.store import StoreURLError, open_store, redact_url
+
+        try:
+            store = open_store(args.store)
+        except (StoreURLError, StoreUnavailable, ValueError, RuntimeError) as exc:
+            print(f"effectfence info: can't open {redact_url(args.store)}: {exc}", file=sys.stderr)
+            return 1
+        try:
+            described = store.describe()
+        finally:
+            store.close()
+        data["store_url"] = redact_url(args.store)
+        data.update({f"store_{k}" if k != "store" else k: v for k, v in described.items()})
     if args.json:
         print(json.dumps(data, indent=2, sort_keys=True))
     else:

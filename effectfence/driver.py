@@ -179,7 +179,7 @@ async def run_async(
     finished, instr = await step("send")
     while not finished:
         if isinstance(instr, Wait):
-            await asyncio.to_thread(fence.wait, instr.intent, instr.timeout)
+            await _wait_in_thread(fence, instr.intent, instr.timeout)
             finished, instr = await step("send")
             continue
         task = _renew_in_task(fence, instr.ticket, instr.renew_every, offload)
@@ -193,6 +193,32 @@ async def run_async(
         finished, instr = await step("send", result)
     call: FencedCall = instr
     return call
+
+
+async def _wait_in_thread(fence: EffectFence, intent: str, timeout: float) -> None:
+    """``fence.wait`` in a thread of its own, not the loop's default executor: waiters
+    blocked there could fill every worker while the holder's own commit (``offload``)
+    queues behind them, and nobody is woken until the waits time out."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def finish(exc: BaseException | None) -> None:
+        if not done.done():
+            if exc is None:
+                done.set_result(None)
+            else:
+                done.set_exception(exc)
+
+    def run() -> None:
+        try:
+            fence.wait(intent, timeout)
+        except BaseException as exc:
+            loop.call_soon_threadsafe(finish, exc)
+        else:
+            loop.call_soon_threadsafe(finish, None)
+
+    threading.Thread(target=run, name=f"effectfence-wait-{intent}", daemon=True).start()
+    await done
 
 
 def _renew_in_thread(

@@ -34,6 +34,7 @@ from effectfence.errors import (
     LeaseLost,
     ReadSetStale,
     Refusal,
+    StoreUnavailable,
 )
 from effectfence.model import (
     Admission,
@@ -318,69 +319,75 @@ class EffectFence:
             raise
         store = self.store
         fp = payload if self._fp_is_payload else store.fingerprint_of(payload)
-        now = self._now()
-        if self._auto:
-            if now >= self._sweep_due:
-                self._auto_sweep(now)
-            elif self._due(now):  # keep pace with admission: a few due records per call
-                self.sweep(REAP_BATCH)
-        compare, reserve_at, contradiction = plan_claim(
-            request.read_set, request.domain, request.expected_seq
-        )
-        for attempt in range(_MAX_MOVES):
-            if attempt:
-                now = self._now()
-            rec = self._get(intent)
-            row, action = decide_prepare(rec, now, fp)
-            if action is _REPLAY:
-                self._inc(self._slot_replayed)
-                return Replay(rec.cert)  # type: ignore[union-attr]
-            if action is not _CLAIM and action is not _TAKEOVER:
-                assert rec is not None
-                refusal = prepare_refusal(action, row, rec, now, intent)
-                self._count(refusal.code)
-                raise refusal
-            if contradiction is not None:  # both cannot hold: report where the domain is
-                d, want, _ = contradiction
-                raise self._refuse_stale(intent, row, (d, want, store.current(d)))
-            step = store.claim(
-                intent,
-                expect=rec,
-                fingerprint=fp,
-                domain=request.domain,
-                agent=request.agent,
-                lease_ttl=self._lease_ttl,
-                reclaim_after=self._lease_reclaim,
-                compare=compare,
-                reserve_at=reserve_at,
+        # A store that cannot answer refuses the attempt ``store_unavailable``: counted in
+        # that bucket like any refusal, and raised before anything was decided.
+        try:
+            now = self._now()
+            if self._auto:
+                if now >= self._sweep_due:
+                    self._auto_sweep(now)
+                elif self._due(now):  # keep pace with admission: a few due records per call
+                    self.sweep(REAP_BATCH)
+            compare, reserve_at, contradiction = plan_claim(
+                request.read_set, request.domain, request.expected_seq
             )
-            outcome = step.outcome
-            if outcome is APPLIED:
-                return self._admit(request, fp, args_json, step, action is _TAKEOVER)
-            if outcome is STALE:
-                raise self._refuse_stale(intent, row, step.stale)
-            if outcome is RACE:
-                assert step.stale is not None
-                if request.expected_seq is None:  # the read set's own-domain entry moved
-                    raise self._refuse_stale(intent, row, step.stale)
-                self._count("domain_race")
-                raise DomainRace(
-                    f"can't prepare {intent!r}: expected {request.domain!r} at "
-                    f"{request.expected_seq}, it is at {step.stale[2]}",
-                    intent=intent,
-                    state=row.value,
+            for attempt in range(_MAX_MOVES):
+                if attempt:
+                    now = self._now()
+                rec = self._get(intent)
+                row, action = decide_prepare(rec, now, fp)
+                if action is _REPLAY:
+                    self._inc(self._slot_replayed)
+                    return Replay(rec.cert)  # type: ignore[union-attr]
+                if action is not _CLAIM and action is not _TAKEOVER:
+                    assert rec is not None
+                    refusal = prepare_refusal(action, row, rec, now, intent)
+                    self._count(refusal.code)
+                    raise refusal
+                if contradiction is not None:  # both cannot hold: report where the domain is
+                    d, want, _ = contradiction
+                    raise self._refuse_stale(intent, row, (d, want, store.current(d)))
+                step = store.claim(
+                    intent,
+                    expect=rec,
+                    fingerprint=fp,
                     domain=request.domain,
-                    expected=request.expected_seq,
-                    actual=step.stale[2],
+                    agent=request.agent,
+                    lease_ttl=self._lease_ttl,
+                    reclaim_after=self._lease_reclaim,
+                    compare=compare,
+                    reserve_at=reserve_at,
                 )
-            # MOVED: the record changed between observation and claim: observe again
-        self._count("intent_in_flight")
-        raise IntentInFlight(
-            f"can't prepare {intent!r}: the record kept changing under contention",
-            intent=intent,
-            state="contended",
-            retry_after=0.0,
-        )
+                outcome = step.outcome
+                if outcome is APPLIED:
+                    return self._admit(request, fp, args_json, step, action is _TAKEOVER)
+                if outcome is STALE:
+                    raise self._refuse_stale(intent, row, step.stale)
+                if outcome is RACE:
+                    assert step.stale is not None
+                    if request.expected_seq is None:  # the read set's own-domain entry moved
+                        raise self._refuse_stale(intent, row, step.stale)
+                    self._count("domain_race")
+                    raise DomainRace(
+                        f"can't prepare {intent!r}: expected {request.domain!r} at "
+                        f"{request.expected_seq}, it is at {step.stale[2]}",
+                        intent=intent,
+                        state=row.value,
+                        domain=request.domain,
+                        expected=request.expected_seq,
+                        actual=step.stale[2],
+                    )
+                # MOVED: the record changed between observation and claim: observe again
+            self._count("intent_in_flight")
+            raise IntentInFlight(
+                f"can't prepare {intent!r}: the record kept changing under contention",
+                intent=intent,
+                state="contended",
+                retry_after=0.0,
+            )
+        except StoreUnavailable:
+            self._count("store_unavailable")
+            raise
 
     def _refuse_stale(self, intent: str, row: Row, stale: Any) -> ReadSetStale:
         d, want, got = stale
@@ -449,7 +456,11 @@ class EffectFence:
         if type(ticket) is not PreparedEffect:
             raise InvalidTicket(f"{op} takes a PreparedEffect ticket, got {type(ticket).__name__}")
         store = self.store
-        rec, now = store.read(ticket.intent)
+        try:
+            rec, now = store.read(ticket.intent)
+        except StoreUnavailable:
+            self._count("refused_ticket_ops")
+            raise
         verdict, refusal = judge_ticket(op, rec, now, ticket.intent, ticket.token)
         if verdict is not _ALLOW and verdict is not _COMMITTED:
             self._count("refused_ticket_ops")
@@ -476,6 +487,15 @@ class EffectFence:
                 token=ticket.token,
             )
         return args_json, verdict, rec, refusal
+
+    def _ticket_step(self, fn: Callable[..., Step], *args: Any, **kw: Any) -> Step:
+        """A ticket operation's store step; a store that cannot answer refuses it
+        ``store_unavailable``, counted with the other refused ticket operations."""
+        try:
+            return fn(*args, **kw)
+        except StoreUnavailable:
+            self._count("refused_ticket_ops")
+            raise
 
     def _lost(self, op: str, ticket: PreparedEffect, found: IntentRecord | None) -> Refusal:
         self._count("refused_ticket_ops")
@@ -533,7 +553,8 @@ class EffectFence:
             ticket.agent,
             digest,
         )
-        step = self.store.complete(
+        step = self._ticket_step(
+            self.store.complete,
             intent,
             ticket.token,
             cert,
@@ -581,8 +602,8 @@ class EffectFence:
         if type(reason) is not str or not reason or len(reason) > 4096:
             raise InvalidRequest("abort reason must be a non-empty string of at most 4096 chars")
         self._check_ticket("abort", ticket)
-        step = self.store.fail(
-            ticket.intent, ticket.token, reason, reclaim_after=self._failed_reclaim
+        step = self._ticket_step(
+            self.store.fail, ticket.intent, ticket.token, reason, reclaim_after=self._failed_reclaim
         )
         if step.outcome is not APPLIED:
             raise self._lost("abort", ticket, step.found)
@@ -592,7 +613,7 @@ class EffectFence:
     def release(self, ticket: PreparedEffect) -> None:
         """The effect definitely did not fire: free the intent for a retry."""
         self._check_ticket("release", ticket)
-        step = self.store.release(ticket.intent, ticket.token)
+        step = self._ticket_step(self.store.release, ticket.intent, ticket.token)
         if step.outcome is not APPLIED:
             raise self._lost("release", ticket, step.found)
         self._count("releases")
@@ -604,7 +625,8 @@ class EffectFence:
         if not (isinstance(lease, int | float) and 0 < lease <= MAX_TTL):
             raise InvalidRequest(f"ttl must be > 0 and <= {MAX_TTL:g} s, got {ttl!r}")
         self._check_ticket("renew", ticket)
-        step = self.store.renew(
+        step = self._ticket_step(
+            self.store.renew,
             ticket.intent,
             ticket.token,
             lease_ttl=float(lease),

@@ -6,9 +6,13 @@ project adds itself here and joins every conformance, chaos and stateful test.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
+import os
+import shutil
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -41,6 +45,8 @@ def _memory(backend: str) -> Callable[[FakeClock], FenceStore]:
     return make
 
 
+#: name -> factory: a fresh, empty, isolated store on the test's clock. A store joins every
+#: guarantee suite (test_store_contract, test_fence, test_chaos, test_stateful) by adding one.
 STORES: dict[str, Callable[[FakeClock], FenceStore]] = {
     "memory-pure": _memory("pure"),
 }
@@ -49,6 +55,37 @@ if AtomicCounterTable is not None:
 if AtomicCounterTable is not None and _accel.memstore is not None:
     # the default store of the compiled build: claim and complete in C
     STORES["memory-c"] = lambda clock: CMemoryStore(clock=clock, counters=new_table("atomic"))
+
+#: name -> reopen(store, clock): another handle onto the same data as ``store``, opened as a
+#: second process would. Only stores shared between processes have one.
+REOPEN: dict[str, Callable[[FenceStore, FakeClock], FenceStore]] = {}
+
+# -- SQLite: a new file per store, in one directory removed at exit --------------------------------
+_SQLITE_DIR = tempfile.mkdtemp(prefix="effectfence-sqlite-")
+atexit.register(shutil.rmtree, _SQLITE_DIR, True)
+_sqlite_files = itertools.count()
+
+
+def sqlite_path() -> str:
+    """A path for a fresh SQLite store file nobody else uses."""
+    return os.path.join(_SQLITE_DIR, f"fence-{os.getpid()}-{next(_sqlite_files)}.db")
+
+
+def _sqlite(clock: FakeClock) -> FenceStore:
+    from effectfence.store.sqlite import SQLiteStore
+
+    return SQLiteStore(sqlite_path(), clock=clock)
+
+
+def _sqlite_reopen(store: FenceStore, clock: FakeClock) -> FenceStore:
+    from effectfence.store.sqlite import SQLiteStore
+
+    assert isinstance(store, SQLiteStore)
+    return SQLiteStore(store.path, clock=clock)
+
+
+STORES["sqlite"] = _sqlite
+REOPEN["sqlite"] = _sqlite_reopen
 
 
 FenceFactory = Callable[..., EffectFence]

@@ -19,7 +19,7 @@ from effectfence.model import EffectRequest
 from effectfence.store.cmemory import CMemoryStore
 from effectfence.store.memory import MemoryStore
 
-KINDS = sorted(k.removeprefix("memory-") for k in STORES)
+KINDS = sorted(k.removeprefix("memory-") for k in STORES if k.startswith("memory-"))
 
 
 # -- helpers ---------------------------------------------------------------------------------

@@ -7,12 +7,29 @@ it is asked for, so ``import effectfence`` never pays for psycopg or redis.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
+from pathlib import Path
 from typing import Any
 
 from effectfence.store.base import FenceStore, Head, Outcome, Step
 from effectfence.store.memory import MemoryStore
 
-__all__ = ["SCHEMES", "FenceStore", "Head", "MemoryStore", "Outcome", "Step", "open_store"]
+__all__ = [
+    "SCHEMES",
+    "STORE_ENV",
+    "FenceStore",
+    "Head",
+    "MemoryStore",
+    "Outcome",
+    "Step",
+    "default_store_url",
+    "open_store",
+    "redact_url",
+]
+
+#: overrides the servers' default store (a URL, ``memory:`` to opt out of durability)
+STORE_ENV = "EFFECTFENCE_STORE"
 
 #: URL scheme -> (module, class). Each durable store lives in its own module.
 SCHEMES: dict[str, tuple[str, str]] = {
@@ -53,6 +70,38 @@ def open_store(url: str, **options: Any) -> FenceStore:
         ) from exc
     store: FenceStore = cls.from_url(url, **options)
     return store
+
+
+def state_dir() -> Path:
+    """Where per-user state lives: $XDG_STATE_HOME or ~/.local/state; on macOS
+    ~/Library/Application Support; on Windows %LOCALAPPDATA%."""
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Application Support"
+    if sys.platform == "win32":
+        local = os.environ.get("LOCALAPPDATA")
+        return Path(local) if local else Path.home() / "AppData" / "Local"
+    xdg = os.environ.get("XDG_STATE_HOME")
+    if xdg and os.path.isabs(xdg):  # the XDG spec ignores relative paths
+        return Path(xdg)
+    return Path.home() / ".local" / "state"
+
+
+def default_store_url() -> str:
+    """The store ``serve`` and ``wrap`` use unless told otherwise: $EFFECTFENCE_STORE, else
+    one SQLite file in the user's state directory, so every server a user's agents spawn
+    on this host shares one ledger, and a restart forgets nothing. The directory is
+    created owner-only (0700): the file holds the ticket sealing key."""
+    env = os.environ.get(STORE_ENV, "").strip()
+    if env:
+        return env
+    directory = state_dir() / "effectfence"
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return "sqlite:///" + str(directory / "fence.db").lstrip("/")
+
+
+def redact_url(url: str) -> str:
+    """A URL fit for a message or a listing: the password, if any, masked."""
+    return _redact(url)
 
 
 def _redact(url: str) -> str:

@@ -30,6 +30,8 @@ The stale-holder hazard, and how the fencing token closes it::
 from __future__ import annotations
 
 import hashlib
+import secrets
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from enum import Enum
@@ -54,6 +56,7 @@ class Head:
 
 
 EMPTY_HEAD = Head(None, {})
+_KEY_LOCK = threading.Lock()
 
 
 class Outcome(Enum):
@@ -187,6 +190,21 @@ class FenceStore(ABC):
         """Stored records (for the operator), optionally of some states or one domain."""
         raise NotImplementedError(f"the {self.name} store does not list records")
 
+    def certs(self, domain: str, *, after_seq: int = 0, limit: int = 1000) -> Iterator[Any]:
+        """Committed certificates of ``domain`` with ``seq > after_seq``, in seq order: the
+        audit trail, kept by durable stores for as long as the operator asks (optional)."""
+        raise NotImplementedError(f"the {self.name} store keeps no certificate trail")
+
+    def sealing_key(self) -> bytes:
+        """The key that seals wire tickets (:mod:`effectfence.tickets`). A shared store keeps
+        one in the store, so a ticket sealed by one process opens in every process sharing
+        it; by default a random key per store object (tickets live as long as the object)."""
+        with _KEY_LOCK:  # two threads asking first must get one key
+            key: bytes | None = getattr(self, "_sealing_key", None)
+            if key is None:
+                key = self._sealing_key = secrets.token_bytes(32)
+            return key
+
     # -- steps ---------------------------------------------------------------------------
     @abstractmethod
     def claim(
@@ -274,6 +292,10 @@ class FenceStore(ABC):
         """Cheap hint: has some record's ``reclaim_at`` passed? Stores where asking costs a
         round trip answer False and are swept on the fence's ``sweep_interval`` alone."""
         return False
+
+    def describe(self) -> dict[str, Any]:
+        """What ``effectfence info --store`` prints: the store, and its durability."""
+        return {"store": self.name, "counters": self.counters_backend}
 
     # -- waiting and lifetime ------------------------------------------------------------
     def wait_for_change(self, intent: str, seen: IntentRecord | None, timeout: float) -> bool:

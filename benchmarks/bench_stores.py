@@ -1,0 +1,358 @@
+"""Stores side by side: fresh prepare+commit and replay per second, 1 client / 8 threads / 4
+processes, with SQLite's own physical limit measured in the same run.
+
+Rows:
+
+- ``memory``: the in-process store (processes: n/a, it is not shared);
+- ``sqlite FULL`` / ``sqlite NORMAL``: :class:`effectfence.store.sqlite.SQLiteStore`;
+- ``raw sqlite FULL/NORMAL``: the physical limit, hand-written: a claim and a complete as two
+  ``BEGIN IMMEDIATE`` transactions on a minimal table (fresh), one primary-key SELECT (replay);
+- ``once-kernel (sqlite NORMAL)``: ``once.Once`` on its ``SqliteStore`` (WAL, NORMAL is
+  hard-wired), if ``pip install once-kernel`` is available (reported when missing);
+- ``--store URL`` (repeatable): any other store, e.g. postgresql://, redis://.
+
+Every fresh execution appends one line to a sink file opened O_APPEND (checked: exactly one
+per fresh op, none on replays); every replay is checked against the committed hash (or the
+recorded result, for peers). Figures: median over rounds, with min-max.
+
+    python benchmarks/bench_stores.py                  # 3 rounds
+    python benchmarks/bench_stores.py --quick          # 1 round, fewer ops
+    python benchmarks/bench_stores.py --store redis://localhost:6379/0
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import shutil
+import sqlite3
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+try:
+    import once as once_pkg
+except ImportError:
+    once_pkg = None
+
+MODES = ("1 client", "8 threads", "4 processes")
+THREADS = 8
+PROCS = 4
+REPLAY_KEYS = 1000
+_DEVNULL = os.open(os.devnull, os.O_WRONLY)  # setup's executions are not measured
+
+
+def payload(k: int) -> dict[str, Any]:
+    return {"order_id": k, "cents": 500, "currency": "EUR", "customer": "cus_123"}
+
+
+def fire(sink_fd: int, key: str) -> None:
+    os.write(sink_fd, (key + "\n").encode())
+
+
+# -- clients: one per (contender, process); ops are called from any of its threads ----------------
+
+
+class FenceClient:
+    def __init__(self, url: str) -> None:
+        from effectfence import EffectFence
+
+        self.fence = EffectFence.from_url(url)
+
+    def fresh(self, key: str, k: int, sink: int) -> None:
+        from effectfence import EffectRequest
+
+        adm = self.fence.prepare(EffectRequest(key, f"acct:{k % 64}", "charge", payload(k), "b"))
+        assert adm.fresh, key
+        fire(sink, key)
+        self.fence.commit(adm.ticket, {"charge_id": f"ch_{k}", "status": "succeeded"})
+
+    def setup(self, key: str, k: int) -> str:
+        from effectfence import EffectRequest
+
+        adm = self.fence.prepare(EffectRequest(key, f"acct:{k % 64}", "charge", payload(k), "b"))
+        return self.fence.commit(adm.ticket, {"charge_id": f"ch_{k}"}).hash
+
+    def replay(self, key: str, k: int, expect: str) -> None:
+        from effectfence import EffectRequest
+
+        adm = self.fence.prepare(EffectRequest(key, f"acct:{k % 64}", "charge", payload(k), "b"))
+        assert not adm.fresh and adm.cert.hash == expect, key
+
+    def close(self) -> None:
+        self.fence.close()
+
+
+class RawClient:
+    """The floor under any SQLite store: the least a claim+complete and a read can cost."""
+
+    def __init__(self, url: str) -> None:
+        self.path, _, q = url.removeprefix("sqlite:///").partition("?")
+        self.path = "/" + self.path.lstrip("/")
+        self.sync = "NORMAL" if "synchronous=normal" in q else "FULL"
+        self.local = threading.local()
+        self.conns: list[sqlite3.Connection] = []
+        c = self.conn()
+        c.execute(
+            "CREATE TABLE IF NOT EXISTS t (k TEXT PRIMARY KEY, state TEXT, token INTEGER, r BLOB)"
+        )
+
+    def conn(self) -> sqlite3.Connection:
+        c: sqlite3.Connection | None = getattr(self.local, "c", None)
+        if c is None:
+            c = sqlite3.connect(
+                self.path, isolation_level=None, timeout=30, check_same_thread=False
+            )
+            c.execute("PRAGMA journal_mode=WAL")
+            c.execute(f"PRAGMA synchronous={self.sync}")
+            self.local.c = c
+            self.conns.append(c)
+        return c
+
+    def fresh(self, key: str, k: int, sink: int) -> None:
+        c = self.conn()
+        c.execute("BEGIN IMMEDIATE")
+        ok = c.execute(
+            "INSERT INTO t (k, state, token) VALUES (?, 'in_flight', ?) ON CONFLICT DO NOTHING",
+            (key, k),
+        ).rowcount
+        c.execute("COMMIT")
+        assert ok == 1
+        fire(sink, key)
+        c.execute("BEGIN IMMEDIATE")
+        c.execute("UPDATE t SET state = 'done', r = ? WHERE k = ? AND token = ?", (b"r", key, k))
+        c.execute("COMMIT")
+
+    def setup(self, key: str, k: int) -> str:
+        self.fresh(key, k, _DEVNULL)
+        return "r"
+
+    def replay(self, key: str, k: int, expect: str) -> None:
+        row = self.conn().execute("SELECT r FROM t WHERE k = ?", (key,)).fetchone()
+        assert row[0] == b"r"
+
+    def close(self) -> None:
+        for c in self.conns:
+            c.close()
+
+
+class OnceClient:
+    def __init__(self, url: str) -> None:
+        from once.sqlite import SqliteStore
+
+        path = "/" + url.removeprefix("sqlite:///").partition("?")[0].lstrip("/")
+        self.kernel = once_pkg.Once(SqliteStore(path), default_ttl_sec=3600.0, lease_sec=60.0)
+
+    def fresh(self, key: str, k: int, sink: int) -> None:
+        out = self.kernel.begin(key, payload(k))
+        assert out.execute, key
+        fire(sink, key)
+        self.kernel.complete(key, out.record.fence_token, {"charge_id": f"ch_{k}"})
+
+    def setup(self, key: str, k: int) -> str:
+        out = self.kernel.begin(key, payload(k))
+        self.kernel.complete(key, out.record.fence_token, {"charge_id": f"ch_{k}"})
+        return f"ch_{k}"
+
+    def replay(self, key: str, k: int, expect: str) -> None:
+        out = self.kernel.begin(key, payload(k))
+        assert not out.execute and out.record.result["charge_id"] == expect, key
+
+    def close(self) -> None:
+        pass
+
+
+CLIENTS: dict[str, Callable[[str], Any]] = {
+    "fence": FenceClient,
+    "raw": RawClient,
+    "once": OnceClient,
+}
+
+
+# -- one measured run ---------------------------------------------------------------------------
+
+
+def _work(
+    client: Any, scenario: str, tag: str, n: int, sink: int, expect: list[str], off: int
+) -> None:
+    if scenario == "fresh":
+        for j in range(n):
+            client.fresh(f"{tag}:{j}", j, sink)
+    else:
+        for j in range(n):
+            k = (j + off) % REPLAY_KEYS
+            client.replay(f"charge:{k}", k, expect[k])
+
+
+def _threads(
+    client: Any, scenario: str, tag: str, n: int, sink: int, expect: list[str], threads: int
+) -> tuple[float, float]:
+    barrier = threading.Barrier(threads + 1)
+    errors: list[BaseException] = []
+
+    def go(i: int) -> None:
+        barrier.wait()
+        try:
+            _work(client, scenario, f"{tag}:t{i}", n, sink, expect, i * 97)
+        except BaseException as exc:
+            errors.append(exc)
+
+    ts = [threading.Thread(target=go, args=(i,)) for i in range(threads)]
+    for t in ts:
+        t.start()
+    barrier.wait()
+    t0 = time.monotonic()
+    for t in ts:
+        t.join()
+    t1 = time.monotonic()
+    if errors:
+        raise errors[0]
+    return t0, t1
+
+
+def _proc_main(
+    kind: str,
+    url: str,
+    scenario: str,
+    tag: str,
+    n: int,
+    sink_path: str,
+    expect: list[str],
+    barrier: Any,
+    out: Any,
+) -> None:
+    client = CLIENTS[kind](url)
+    sink = os.open(sink_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    barrier.wait()
+    t0 = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process on the host
+    _work(client, scenario, tag, n, sink, expect, os.getpid())
+    out.put((t0, time.monotonic()))
+    client.close()
+
+
+def measure(kind: str, url: str, scenario: str, mode: str, n: int, tmp: str, rnd: int) -> float:
+    """Ops per second for one (contender, scenario, mode, round); checked at the sink."""
+    sink_path = tempfile.mktemp(prefix=f"sink-{kind}-{scenario}-{mode[0]}-{rnd}-", dir=tmp)
+    sink = os.open(sink_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    client = CLIENTS[kind](url)
+    expect: list[str] = []
+    if scenario == "replay":
+        expect = [client.setup(f"charge:{k}", k) for k in range(REPLAY_KEYS)]
+    tag = f"r{rnd}"
+    if mode == "1 client":
+        t0 = time.monotonic()
+        _work(client, scenario, tag, n, sink, expect, 0)
+        t1 = time.monotonic()
+        total = n
+    elif mode == "8 threads":
+        per = max(1, n // THREADS)
+        t0, t1 = _threads(client, scenario, tag, per, sink, expect, THREADS)
+        total = per * THREADS
+    else:
+        per = max(1, n // PROCS)
+        ctx = mp.get_context("spawn")
+        barrier = ctx.Barrier(PROCS)
+        q = ctx.Queue()
+        ps = [
+            ctx.Process(
+                target=_proc_main,
+                args=(kind, url, scenario, f"{tag}:p{i}", per, sink_path, expect, barrier, q),
+            )
+            for i in range(PROCS)
+        ]
+        for p in ps:
+            p.start()
+        spans = [q.get(timeout=600) for _ in ps]
+        for p in ps:
+            p.join()
+            assert p.exitcode == 0, (kind, scenario, p.exitcode)
+        t0, t1 = min(s[0] for s in spans), max(s[1] for s in spans)
+        total = per * PROCS
+    client.close()
+    os.close(sink)
+    with open(sink_path) as f:
+        lines = f.read().splitlines()
+    want = total if scenario == "fresh" else 0
+    assert len(lines) == want, (kind, scenario, mode, len(lines), want)
+    return total / (t1 - t0)
+
+
+# -- the table ----------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="1 round, fewer ops")
+    ap.add_argument("--store", action="append", default=[], help="another store URL to add")
+    ap.add_argument("--fresh-ops", type=int, default=800)
+    ap.add_argument("--replay-ops", type=int, default=8000)
+    args = ap.parse_args(argv)
+    rounds = 1 if args.quick else args.rounds
+    nf = 200 if args.quick else args.fresh_ops
+    nr = 2000 if args.quick else args.replay_ops
+    tmp = tempfile.mkdtemp(prefix="bench-stores-")
+    rows: list[tuple[str, str, Callable[[int, str, str], str], bool]] = [
+        ("memory", "fence", lambda r, s, m: "memory:", False),
+    ]
+
+    def sqlite_url(sync: str, name: str) -> Callable[[int, str, str], str]:
+        def url(r: int, s: str, m: str) -> str:
+            path = os.path.join(tmp, f"{name}-{r}-{s}-{m[0]}.db").lstrip("/")
+            return f"sqlite:///{path}" + ("?synchronous=normal" if sync == "normal" else "")
+
+        return url
+
+    rows += [
+        ("sqlite FULL", "fence", sqlite_url("full", "full"), True),
+        ("raw sqlite FULL (limit)", "raw", sqlite_url("full", "rawfull"), True),
+        ("sqlite NORMAL", "fence", sqlite_url("normal", "normal"), True),
+        ("raw sqlite NORMAL (limit)", "raw", sqlite_url("normal", "rawnormal"), True),
+    ]
+    if once_pkg is not None:
+        rows.append(("once-kernel (sqlite NORMAL)", "once", sqlite_url("normal", "once"), True))
+    for extra in args.store:
+        rows.append(
+            (extra.split("://")[0] + " (--store)", "fence", lambda r, s, m, u=extra: u, True)
+        )
+
+    results: dict[tuple[str, str, str], list[float]] = {}
+    for rnd in range(rounds):
+        for scenario, n in (("fresh", nf), ("replay", nr)):
+            for mode in MODES:
+                for name, kind, url, shared in rows:
+                    if mode == "4 processes" and not shared:
+                        continue
+                    rate = measure(kind, url(rnd, scenario, mode), scenario, mode, n, tmp, rnd)
+                    results.setdefault((name, scenario, mode), []).append(rate)
+                    print(f"  round {rnd} {scenario:6} {mode:11} {name:28} {rate:>10,.0f}/s",
+                          file=sys.stderr, flush=True)  # fmt: skip
+    shutil.rmtree(tmp, ignore_errors=True)
+
+    print(f"\nops/s, median (min-max) over {rounds} round(s); python {sys.version.split()[0]}, "
+          f"sqlite {sqlite3.sqlite_version}, {os.cpu_count()} cpus")  # fmt: skip
+    if once_pkg is None:
+        print("once-kernel: not installed (pip install once-kernel) - its row is missing")
+    for scenario in ("fresh", "replay"):
+        print(f"\n{scenario:<30}" + "".join(f"{m:>26}" for m in MODES))
+        for name, *_ in rows:
+            cells = []
+            for mode in MODES:
+                v = results.get((name, scenario, mode))
+                if not v:
+                    cells.append(f"{'n/a':>26}")
+                    continue
+                cells.append(
+                    f"{statistics.median(v):>10,.0f} ({min(v):,.0f}-{max(v):,.0f})".rjust(26)
+                )
+            print(f"{name:<30}" + "".join(cells))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,935 @@
+"""The SQLite store: one file shared by every process on a host, durable across restarts.
+
+It decides nothing (the rules are in :mod:`effectfence.protocol`); each step of
+:mod:`effectfence.store.base` is ONE ``BEGIN IMMEDIATE`` transaction whose conditions are the
+plain comparisons the decider chose, so a process killed at any instant leaves either the
+whole step or none of it.
+
+Design
+------
+- WAL, so readers (replays) never wait for the writer, and ``BEGIN IMMEDIATE`` for every
+  write step: it takes the write lock up front, where ``busy_timeout`` waits for it. A
+  deferred transaction that reads and then writes fails with "database is locked" when
+  another writer got there first, and no timeout helps (issue #12 measured ~108k such
+  errors with four processes).
+- ``synchronous=FULL`` by default: a step that answered APPLIED survives a power cut.
+  ``?synchronous=normal`` in the URL trades the last few commits on power loss (never on a
+  process crash) for speed; :meth:`SQLiteStore.describe` reports which one runs.
+- Connections are not thread-safe: a small pool hands each call its own connection, and
+  takes it back afterwards (threads come and go; their connections stay few).
+- Tables: ``intents`` (one row per record, codec columns), ``domains`` (seq and head per
+  domain), ``fence`` (one row: the token counter, the eviction floor and the clock state),
+  ``certs`` (append-only audit trail, written in the same transaction as the commit),
+  ``meta`` (schema version, store id, sealing key).
+- Sweep is O(expired): an index on ``reclaim_at``; each batch deletes rows whose deadline
+  passed inside one transaction, so the version deleted is the version that set it.
+
+Time
+----
+Leases are judged by the host's wall clock, which every process on the host shares (a
+monotonic clock restarts with the machine, and the file outlives it). A wall clock can be
+stepped backwards (NTP, an operator), and a store clock that went back would keep every
+lease alive that long, and let records be judged by deadlines from "the future". So the
+store's clock is ``wall + offset``, with ``(offset, last wall reading)`` persisted in the
+``fence`` row and updated inside every write step, under the write lock. When a reading is
+below the last one, the offset grows by the difference: store time stands still across the
+jump and then moves on with the wall clock. A lease is therefore neither stolen (time never
+jumps forward because of a step back) nor kept (time keeps running after it). A step
+*forward* cannot be told apart from time passing; a lease that lapses early is what the
+fencing token is for. Readers compute ``offset + max(wall, last)``, and rewrite the offset
+themselves when they see the wall clock more than a second behind, so waiters do not stand
+still until the next write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import secrets
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+from urllib.parse import parse_qsl, unquote
+
+from effectfence.clock import merge_counts
+from effectfence.errors import StoreUnavailable
+from effectfence.protocol import IntentRecord, State
+from effectfence.store.base import (
+    APPLIED,
+    BUSY,
+    EMPTY_HEAD,
+    MOVED,
+    RACE,
+    STALE,
+    FenceStore,
+    Head,
+    Step,
+    same_record,
+)
+from effectfence.store.codec import (
+    NEVER,
+    RECORD_FIELDS,
+    cert_from_json,
+    cert_to_json,
+    encode_deadline,
+)
+
+__all__ = [
+    "DEFAULT_BUSY_TIMEOUT",
+    "SCHEMA_VERSION",
+    "SQLiteStore",
+    "StoreSchemaError",
+]
+
+#: the schema this code writes; a file with a newer one is refused, never half-understood
+SCHEMA_VERSION = 1
+#: how long a step waits for another process's write lock before reporting unavailable
+DEFAULT_BUSY_TIMEOUT = 10.0
+#: a wall-clock reading this far behind the last one is a step back: readers rebase
+_REBASE_AFTER = 1.0
+#: rows a sweep deletes per transaction, so the write lock is never held for long
+_SWEEP_BATCH = 1000
+_CERT_CACHE = 4096
+
+_STATES = {s.value: s for s in State}
+_IN_FLIGHT = State.IN_FLIGHT.value
+_COLS = ", ".join(RECORD_FIELDS)
+_ICOLS = ", ".join(f"i.{c}" for c in RECORD_FIELDS)
+_SYNC = {"full": "FULL", "normal": "NORMAL"}
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value NOT NULL);
+CREATE TABLE IF NOT EXISTS fence (
+    id INTEGER PRIMARY KEY CHECK (id = 0),
+    token INTEGER NOT NULL,         -- last fencing token handed out
+    floor INTEGER NOT NULL,         -- where new domains start (raised by evictions, G5)
+    clock_offset REAL NOT NULL,     -- store time = wall + clock_offset
+    clock_last REAL NOT NULL        -- the last wall reading a write step made
+);
+CREATE TABLE IF NOT EXISTS intents (
+    intent TEXT PRIMARY KEY,
+    state TEXT NOT NULL,
+    token INTEGER NOT NULL,
+    fingerprint BLOB NOT NULL,
+    domain TEXT NOT NULL,
+    agent TEXT NOT NULL,
+    lease_until REAL NOT NULL,
+    cert BLOB,
+    until REAL NOT NULL,
+    reason TEXT NOT NULL,
+    since REAL NOT NULL,
+    seq INTEGER NOT NULL,
+    reclaim_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS intents_reclaim ON intents (reclaim_at);
+CREATE INDEX IF NOT EXISTS intents_in_flight ON intents (domain) WHERE state = 'in_flight';
+CREATE TABLE IF NOT EXISTS domains (
+    domain TEXT PRIMARY KEY,
+    seq INTEGER NOT NULL,
+    head TEXT,                      -- hash of the last committed certificate
+    clock TEXT                      -- JSON: merged vector clock of the commits
+);
+CREATE TABLE IF NOT EXISTS certs (
+    domain TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    hash TEXT NOT NULL,
+    cert BLOB NOT NULL,
+    committed_at REAL NOT NULL,
+    keep_until REAL NOT NULL,
+    PRIMARY KEY (domain, seq)
+);
+-- partial: certificates kept forever (the default) cost no index write
+CREATE INDEX IF NOT EXISTS certs_keep ON certs (keep_until) WHERE keep_until < 1e300;
+"""
+
+
+class StoreSchemaError(RuntimeError):
+    """The database file was written by a newer effectfence, or is not a fence store."""
+
+    def __init__(self, message: str, *, path: str, found: Any, supported: int) -> None:
+        super().__init__(message)
+        self.path = path
+        self.found = found
+        self.supported = supported
+
+
+def _parse_url(url: str) -> tuple[str, dict[str, str]]:
+    """``sqlite:///abs/path.db`` (absolute), ``sqlite:///./rel.db`` (relative) -> path, query."""
+    scheme, sep, rest = url.partition("://")
+    if scheme.lower() != "sqlite" or not sep or not rest.startswith("/"):
+        raise ValueError(f"a SQLite store URL looks like sqlite:///abs/path/fence.db, got {url!r}")
+    rest, _, query = rest.partition("?")
+    path = unquote(rest[1:])
+    if not path:
+        raise ValueError(f"the SQLite store URL {url!r} names no file")
+    if path == ":memory:" or path.startswith("file:"):
+        raise ValueError(
+            "an in-memory SQLite database is private to one connection: use 'memory:' for an "
+            "in-process store, or a file path to share one between processes"
+        )
+    if path.startswith(("./", "../", "~")):
+        path = os.path.expanduser(path)
+    else:
+        path = "/" + path.lstrip("/")
+    return path, dict(parse_qsl(query, keep_blank_values=True))
+
+
+class SQLiteStore(FenceStore):
+    """Durable store in one SQLite file, shared by every process on the host.
+
+    ``clock`` is the wall clock (seconds since the epoch); tests inject a fake one. The
+    store's own clock (:meth:`now`) is derived from it and never goes backwards.
+    """
+
+    name = "sqlite"
+    counters_backend = "sql"
+    shared = True
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        clock: Callable[[], float] = time.time,
+        synchronous: str = "full",
+        busy_timeout: float = DEFAULT_BUSY_TIMEOUT,
+        cert_retention: float | None = None,
+    ) -> None:
+        sync = _SYNC.get(str(synchronous).lower())
+        if sync is None:
+            raise ValueError(f"synchronous must be 'full' or 'normal', got {synchronous!r}")
+        if not busy_timeout >= 0:
+            raise ValueError("busy_timeout must be >= 0 seconds")
+        if cert_retention is not None and not cert_retention >= 0:
+            raise ValueError("cert_retention must be >= 0 seconds, or None to keep forever")
+        self.path = os.path.abspath(path)
+        self.synchronous = sync
+        self.busy_timeout = float(busy_timeout)
+        self.cert_retention = math.inf if cert_retention is None else float(cert_retention)
+        self._clock = clock
+        self._free: list[sqlite3.Connection] = []
+        self._all: list[sqlite3.Connection] = []
+        self._all_lock = threading.Lock()
+        self._closed = False
+        self._cert_cache: dict[bytes, Any] = {}
+        self._key: bytes | None = None
+        self._key_lock = threading.Lock()
+        if not os.path.exists(self.path):
+            # the file holds the ticket sealing key: readable by its owner only
+            try:
+                os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY, 0o600))
+            except OSError as exc:
+                raise StoreUnavailable(
+                    f"can't create the SQLite store {self.path}: {exc}", path=self.path
+                ) from exc
+        store_id, self.journal_mode = self._init_schema()
+        self.store_id = store_id
+        self.ticket_scope = f"sqlite:{store_id}"
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> SQLiteStore:
+        """``sqlite:///abs/path/fence.db?synchronous=normal&busy_timeout=5``; options given
+        as keywords win over the query."""
+        path, query = _parse_url(url)
+        opts: dict[str, Any] = {}
+        for key, value in query.items():
+            if key == "synchronous":
+                opts[key] = value
+            elif key in ("busy_timeout", "cert_retention"):
+                try:
+                    opts[key] = float(value)
+                except ValueError:
+                    raise ValueError(f"{key} in {url!r} must be a number of seconds") from None
+            else:
+                raise ValueError(
+                    f"unknown option {key!r} in {url!r}; known: synchronous, busy_timeout, "
+                    "cert_retention"
+                )
+        opts.update(options)
+        return cls(path, **opts)
+
+    def __repr__(self) -> str:
+        return f"SQLiteStore(path={self.path!r}, synchronous={self.synchronous!r})"
+
+    def describe(self) -> dict[str, Any]:
+        """Name, file and durability settings, for ``effectfence info`` and stats."""
+        return {
+            "store": self.name,
+            "path": self.path,
+            "url": f"sqlite:///{self.path.lstrip('/')}"
+            + ("?synchronous=normal" if self.synchronous == "NORMAL" else ""),
+            "journal_mode": self.journal_mode,
+            "synchronous": self.synchronous.lower(),
+            "schema_version": SCHEMA_VERSION,
+            "ticket_scope": self.ticket_scope,
+            "cert_retention": None if self.cert_retention == math.inf else self.cert_retention,
+        }
+
+    # -- connections ------------------------------------------------------------------------
+    def _connect(self) -> sqlite3.Connection:
+        if self._closed:
+            raise StoreUnavailable(f"the SQLite store {self.path} is closed", path=self.path)
+        conn = sqlite3.connect(
+            self.path,
+            timeout=self.busy_timeout,
+            isolation_level=None,  # transactions are explicit: BEGIN IMMEDIATE ... COMMIT
+            check_same_thread=False,  # the pool hands a connection to one thread at a time
+            cached_statements=64,
+        )
+        conn.execute(f"PRAGMA synchronous={self.synchronous}")
+        with self._all_lock:
+            self._all.append(conn)
+        return conn
+
+    def _acquire(self) -> sqlite3.Connection:
+        try:
+            return self._free.pop()
+        except IndexError:
+            return self._connect()
+
+    def _unavailable(self, op: str, exc: BaseException) -> StoreUnavailable:
+        return StoreUnavailable(
+            f"the SQLite store {self.path} failed during {op}: {exc}; nothing was decided",
+            path=self.path,
+            operation=op,
+        )
+
+    def _drop(self, conn: sqlite3.Connection) -> None:
+        """A connection whose transaction state is unknown is closed, never reused."""
+        with self._all_lock:
+            if conn in self._all:
+                self._all.remove(conn)
+        with contextlib.suppress(sqlite3.Error):
+            conn.close()
+
+    def _write(self, op: str, body: Callable[..., Any], *args: Any) -> Any:
+        """Run ``body(conn, *args)`` as one IMMEDIATE transaction: all of it or none."""
+        try:
+            conn = self._acquire()
+        except sqlite3.Error as exc:
+            raise self._unavailable(op, exc) from exc
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                out = body(conn, *args)
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+        except sqlite3.Error as exc:
+            self._discard(conn)
+            raise self._unavailable(op, exc) from exc
+        except BaseException:
+            self._discard(conn)
+            raise
+        self._free.append(conn)
+        return out
+
+    def _discard(self, conn: sqlite3.Connection) -> None:
+        try:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+        except sqlite3.Error:
+            self._drop(conn)
+            return
+        if self._closed:
+            self._drop(conn)
+        else:
+            self._free.append(conn)
+
+    def _query(self, op: str, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+        """One read statement (autocommit: its own consistent snapshot)."""
+        try:
+            conn = self._acquire()
+        except sqlite3.Error as exc:
+            raise self._unavailable(op, exc) from exc
+        try:
+            rows = conn.execute(sql, params).fetchall()
+        except sqlite3.Error as exc:
+            self._discard(conn)
+            raise self._unavailable(op, exc) from exc
+        self._free.append(conn)
+        return rows
+
+    def _init_schema(self) -> tuple[str, str]:
+        conn = self._connect()
+        try:
+            mode = str(conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]).lower()
+            if mode != "wal":
+                raise StoreUnavailable(
+                    f"the SQLite store {self.path} can't use WAL (journal_mode={mode}); "
+                    "is it on a network file system?",
+                    path=self.path,
+                )
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master")}
+                if "meta" in tables:
+                    row = conn.execute(
+                        "SELECT value FROM meta WHERE key = 'schema_version'"
+                    ).fetchone()
+                    found = None if row is None else row[0]
+                    if type(found) is not int or found > SCHEMA_VERSION:
+                        raise StoreSchemaError(
+                            f"{self.path} has effectfence schema version {found!r}; this "
+                            f"effectfence reads version {SCHEMA_VERSION}: upgrade effectfence "
+                            "(or point it at another file)",
+                            path=self.path,
+                            found=found,
+                            supported=SCHEMA_VERSION,
+                        )
+                elif tables:
+                    raise StoreSchemaError(
+                        f"{self.path} is a SQLite database but not an effectfence store "
+                        f"(tables: {', '.join(sorted(tables))})",
+                        path=self.path,
+                        found=None,
+                        supported=SCHEMA_VERSION,
+                    )
+                for stmt in _SCHEMA.split(";"):
+                    if stmt.strip():
+                        conn.execute(stmt)
+                conn.execute(
+                    "INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', ?), "
+                    "('store_id', ?), ('created_at', ?)",
+                    (SCHEMA_VERSION, secrets.token_hex(16), time.time()),
+                )
+                conn.execute(
+                    "INSERT OR IGNORE INTO fence (id, token, floor, clock_offset, clock_last) "
+                    "VALUES (0, 0, 0, 0.0, ?)",
+                    (self._clock(),),
+                )
+                store_id = conn.execute("SELECT value FROM meta WHERE key = 'store_id'").fetchone()
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as exc:
+            self._drop(conn)
+            raise self._unavailable("open", exc) from exc
+        except BaseException:
+            self._drop(conn)
+            raise
+        self._free.append(conn)
+        return str(store_id[0]), mode
+
+    # -- the clock --------------------------------------------------------------------------
+    def _tick(self, conn: sqlite3.Connection, token: bool = False) -> tuple[float, int]:
+        """Inside a write step: read the wall clock once, under the write lock, advance the
+        persisted clock state, and return (store now, new token if ``token``)."""
+        wall = self._clock()
+        if token:
+            row = conn.execute(
+                "UPDATE fence SET token = token + 1, "
+                "clock_offset = clock_offset + max(0.0, clock_last - ?1), clock_last = ?1 "
+                "WHERE id = 0 RETURNING clock_offset, token",
+                (wall,),
+            ).fetchall()[0]
+            return wall + row[0], row[1]
+        row = conn.execute(
+            "UPDATE fence SET clock_offset = clock_offset + max(0.0, clock_last - ?1), "
+            "clock_last = ?1 WHERE id = 0 RETURNING clock_offset",
+            (wall,),
+        ).fetchall()[0]
+        return wall + row[0], 0
+
+    def _now_from(self, offset: float, last: float) -> float:
+        wall = self._clock()
+        if last - wall > _REBASE_AFTER:
+            # the wall clock stepped back: move the offset now, so readers (waiters, takers
+            # of a lapsed lease) see time moving on without waiting for some write
+            now: float = self._write("now", lambda c: self._tick(c)[0])
+            return now
+        return offset + (wall if wall > last else last)
+
+    def now(self) -> float:
+        (row,) = self._query("now", "SELECT clock_offset, clock_last FROM fence WHERE id = 0")
+        return self._now_from(row[0], row[1])
+
+    # -- records ----------------------------------------------------------------------------
+    def _decode(self, row: Sequence[Any]) -> IntentRecord:
+        (intent, state, token, fp, domain, agent, lease_until, cert, until, reason, since, seq,
+         reclaim_at) = row  # fmt: skip
+        c = None
+        if cert is not None:
+            cache = self._cert_cache
+            c = cache.get(cert)
+            if c is None:
+                c = cert_from_json(cert)
+                if len(cache) >= _CERT_CACHE:
+                    cache.clear()  # bounded; certificates are immutable, a miss only costs
+                cache[cert] = c
+        return IntentRecord(
+            intent,
+            _STATES[state],
+            token,
+            fp,
+            domain,
+            agent,
+            lease_until if lease_until < NEVER else math.inf,
+            c,
+            until if until < NEVER else math.inf,
+            reason,
+            since,
+            seq,
+            reclaim_at if reclaim_at < NEVER else math.inf,
+        )
+
+    def _put(self, conn: sqlite3.Connection, rec: IntentRecord, cert_json: bytes | None) -> None:
+        conn.execute(
+            f"INSERT OR REPLACE INTO intents ({_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            (
+                rec.intent,
+                rec.state.value,
+                rec.token,
+                rec.fingerprint,
+                rec.domain,
+                rec.agent,
+                encode_deadline(rec.lease_until),
+                cert_json,
+                encode_deadline(rec.until),
+                rec.reason,
+                rec.since,
+                rec.seq,
+                encode_deadline(rec.reclaim_at),
+            ),
+        )
+
+    @staticmethod
+    def _fetch(conn: sqlite3.Connection, intent: str) -> Any:
+        return conn.execute(f"SELECT {_COLS} FROM intents WHERE intent = ?", (intent,)).fetchone()
+
+    # -- reads ------------------------------------------------------------------------------
+    def get(self, intent: str) -> IntentRecord | None:
+        rows = self._query("get", f"SELECT {_COLS} FROM intents WHERE intent = ?", (intent,))
+        return self._decode(rows[0]) if rows else None
+
+    def read(self, intent: str) -> tuple[IntentRecord | None, float]:
+        """The record and the clock state in one statement: one snapshot, one round trip."""
+        (row,) = self._query(
+            "read",
+            f"SELECT f.clock_offset, f.clock_last, {_ICOLS} FROM fence f "
+            "LEFT JOIN intents i ON i.intent = ? WHERE f.id = 0",
+            (intent,),
+        )
+        now = self._now_from(row[0], row[1])
+        return (None if row[2] is None else self._decode(row[2:])), now
+
+    def current(self, domain: str) -> int:
+        (row,) = self._query(
+            "current",
+            "SELECT coalesce((SELECT seq FROM domains WHERE domain = ?), floor) "
+            "FROM fence WHERE id = 0",
+            (domain,),
+        )
+        return int(row[0])
+
+    def in_flight(self, domain: str) -> int:
+        (row,) = self._query(
+            "in_flight",
+            "SELECT count(*) FROM intents WHERE domain = ? AND state = 'in_flight'",
+            (domain,),
+        )
+        return int(row[0])
+
+    def size(self) -> dict[str, int]:
+        (row,) = self._query(
+            "size",
+            "SELECT (SELECT count(*) FROM intents), (SELECT count(*) FROM domains), "
+            "(SELECT count(*) FROM domains WHERE head IS NOT NULL), (SELECT count(*) FROM certs)",
+        )
+        return {"records": row[0], "domains": row[1], "heads": row[2], "certs": row[3]}
+
+    def records(
+        self, *, states: Sequence[State] = (), domain: str | None = None, limit: int = 1000
+    ) -> Iterator[IntentRecord]:
+        where: list[str] = []
+        params: list[Any] = []
+        if states:
+            where.append(f"state IN ({','.join('?' * len(states))})")
+            params.extend(s.value for s in states)
+        if domain is not None:
+            where.append("domain = ?")
+            params.append(domain)
+        sql = f"SELECT {_COLS} FROM intents"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY intent LIMIT ?"
+        rows = self._query("records", sql, (*params, max(0, int(limit))))
+        for row in rows:
+            yield self._decode(row)
+
+    def certs(self, domain: str, *, after_seq: int = 0, limit: int = 1000) -> Iterator[Any]:
+        """Committed certificates of ``domain`` after ``after_seq``, in seq order."""
+        rows = self._query(
+            "certs",
+            "SELECT cert FROM certs WHERE domain = ? AND seq > ? ORDER BY seq LIMIT ?",
+            (domain, after_seq, max(0, int(limit))),
+        )
+        for (cert,) in rows:
+            yield cert_from_json(cert)
+
+    def sealing_key(self) -> bytes:
+        """Kept in the file (get-or-create in one transaction): every process sharing the
+        store seals and opens tickets with the same key."""
+        if self._key is None:
+            with self._key_lock:
+                if self._key is None:
+                    self._key = self._write("sealing_key", self._get_or_create_key)
+        return self._key
+
+    @staticmethod
+    def _get_or_create_key(conn: sqlite3.Connection) -> bytes:
+        conn.execute(
+            "INSERT OR IGNORE INTO meta (key, value) VALUES ('sealing_key', ?)",
+            (secrets.token_bytes(32),),
+        )
+        row = conn.execute("SELECT value FROM meta WHERE key = 'sealing_key'").fetchone()
+        return bytes(row[0])
+
+    # -- steps ------------------------------------------------------------------------------
+    @staticmethod
+    def _at(conn: sqlite3.Connection, domain: str) -> int:
+        row = conn.execute(
+            "SELECT coalesce((SELECT seq FROM domains WHERE domain = ?), floor) "
+            "FROM fence WHERE id = 0",
+            (domain,),
+        ).fetchone()
+        return int(row[0])
+
+    def _compare(
+        self, conn: sqlite3.Connection, pairs: Sequence[tuple[str, int]]
+    ) -> tuple[str, int, int | None] | None:
+        for d, s in pairs:
+            actual = self._at(conn, d)
+            if actual != s:
+                return (d, s, actual)
+        return None
+
+    def claim(
+        self,
+        intent: str,
+        *,
+        expect: IntentRecord | None,
+        fingerprint: bytes,
+        domain: str,
+        agent: str,
+        lease_ttl: float,
+        reclaim_after: float,
+        compare: Sequence[tuple[str, int]],
+        reserve_at: int | None,
+    ) -> Step:
+        step: Step = self._write(
+            "claim",
+            self._claim,
+            intent,
+            expect,
+            fingerprint,
+            domain,
+            agent,
+            lease_ttl,
+            reclaim_after,
+            compare,
+            reserve_at,
+        )
+        return step
+
+    def _claim(
+        self,
+        conn: sqlite3.Connection,
+        intent: str,
+        expect: IntentRecord | None,
+        fingerprint: bytes,
+        domain: str,
+        agent: str,
+        lease_ttl: float,
+        reclaim_after: float,
+        compare: Sequence[tuple[str, int]],
+        reserve_at: int | None,
+    ) -> Step:
+        row = self._fetch(conn, intent)
+        cur = None if row is None else self._decode(row)
+        # condition 1: the slot still holds the version the decider observed
+        if not same_record(cur, expect):
+            return Step(MOVED, found=cur)
+        # condition 2: the compared pairs hold (an absent domain is at the floor)
+        if compare:
+            stale = self._compare(conn, compare)
+            if stale is not None:
+                return Step(STALE, found=cur, stale=stale)
+        # condition 3: reserve: compare-exchange at reserve_at, else the next seq
+        if reserve_at is None:
+            got = conn.execute(
+                "INSERT INTO domains (domain, seq) SELECT ?, floor + 1 FROM fence WHERE id = 0 "
+                "ON CONFLICT (domain) DO UPDATE SET seq = seq + 1 RETURNING seq, head, clock",
+                (domain,),
+            ).fetchall()[0]
+        else:
+            at = self._at(conn, domain)
+            if at != reserve_at:  # lost: nothing written, no domain created (G7)
+                return Step(RACE, found=cur, stale=(domain, reserve_at, at))
+            got = conn.execute(
+                "INSERT INTO domains (domain, seq) VALUES (?, ?) "
+                "ON CONFLICT (domain) DO UPDATE SET seq = excluded.seq RETURNING seq, head, clock",
+                (domain, reserve_at + 1),
+            ).fetchall()[0]
+        seq, head_hash, head_clock = got
+        now, token = self._tick(conn, token=True)
+        rec = IntentRecord(
+            intent,
+            State.IN_FLIGHT,
+            token,
+            fingerprint,
+            domain,
+            agent,
+            now + lease_ttl,
+            None,
+            0.0,
+            "",
+            0.0,
+            seq,
+            now + reclaim_after,
+        )
+        self._put(conn, rec, None)
+        head = EMPTY_HEAD if head_hash is None else Head(head_hash, json.loads(head_clock))
+        return Step(APPLIED, rec, cur, head)
+
+    def complete(
+        self,
+        intent: str,
+        token: int,
+        cert: Any,
+        *,
+        result_ttl: float,
+        reclaim_after: float,
+        compare: Sequence[tuple[str, int]],
+        own_seq: int | None,
+        stale_reason: str,
+        stale_reclaim_after: float,
+    ) -> Step:
+        cert_json = cert_to_json(cert)  # encoded before the lock is taken
+        step: Step = self._write(
+            "complete",
+            self._complete,
+            intent,
+            token,
+            cert,
+            cert_json,
+            result_ttl,
+            reclaim_after,
+            compare,
+            own_seq,
+            stale_reason,
+            stale_reclaim_after,
+        )
+        return step
+
+    def _complete(
+        self,
+        conn: sqlite3.Connection,
+        intent: str,
+        token: int,
+        cert: Any,
+        cert_json: bytes,
+        result_ttl: float,
+        reclaim_after: float,
+        compare: Sequence[tuple[str, int]],
+        own_seq: int | None,
+        stale_reason: str,
+        stale_reclaim_after: float,
+    ) -> Step:
+        row = self._fetch(conn, intent)
+        cur = None if row is None else self._decode(row)
+        if cur is None or cur.state is not State.IN_FLIGHT or cur.token != token:
+            return Step(MOVED, found=cur)
+        stale = self._compare(conn, compare) if compare else None
+        if stale is None and own_seq is not None:
+            actual = self._at(conn, cur.domain)
+            if actual != own_seq:
+                stale = (cur.domain, own_seq, actual)
+        now, _ = self._tick(conn)
+        if stale is not None:
+            rec = IntentRecord(
+                intent,
+                State.FAILED,
+                token,
+                cur.fingerprint,
+                cur.domain,
+                cur.agent,
+                reason=stale_reason,
+                since=now,
+                seq=cur.seq,
+                reclaim_at=now + stale_reclaim_after,
+            )
+            self._put(conn, rec, None)
+            return Step(STALE, rec, cur, stale=stale)
+        until = now + result_ttl
+        rec = IntentRecord(
+            intent,
+            State.DONE,
+            token,
+            cur.fingerprint,
+            cur.domain,
+            cur.agent,
+            0.0,
+            cert,
+            until,
+            "",
+            0.0,
+            cur.seq,
+            now + reclaim_after,
+        )
+        self._put(conn, rec, cert_json)
+        old = conn.execute("SELECT clock FROM domains WHERE domain = ?", (cur.domain,)).fetchone()
+        merged = merge_counts(
+            json.loads(old[0]) if old is not None and old[0] is not None else {},
+            cert.vector_clock,
+        )
+        conn.execute(
+            "UPDATE domains SET head = ?, clock = ? WHERE domain = ?",
+            (cert.hash, json.dumps(merged, separators=(",", ":")), cur.domain),
+        )
+        conn.execute(
+            "INSERT INTO certs (domain, seq, hash, cert, committed_at, keep_until) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            (
+                cert.domain,
+                cert.seq,
+                cert.hash,
+                cert_json,
+                now,
+                encode_deadline(until + self.cert_retention),
+            ),
+        )
+        return Step(APPLIED, rec, cur)
+
+    def _finish(
+        self,
+        conn: sqlite3.Connection,
+        intent: str,
+        token: int,
+        make: Callable[[IntentRecord, float], IntentRecord | None],
+    ) -> Step:
+        """Compare-by-token: replace the in-flight record of ``token`` (None deletes it)."""
+        row = self._fetch(conn, intent)
+        cur = None if row is None else self._decode(row)
+        if cur is None or cur.state is not State.IN_FLIGHT or cur.token != token:
+            return Step(MOVED, found=cur)
+        now, _ = self._tick(conn)
+        new = make(cur, now)
+        if new is None:
+            conn.execute("DELETE FROM intents WHERE intent = ? AND token = ?", (intent, token))
+        else:
+            self._put(conn, new, None)
+        return Step(APPLIED, new, cur)
+
+    def fail(self, intent: str, token: int, reason: str, *, reclaim_after: float) -> Step:
+        def failed(cur: IntentRecord, now: float) -> IntentRecord:
+            return IntentRecord(
+                intent,
+                State.FAILED,
+                token,
+                cur.fingerprint,
+                cur.domain,
+                cur.agent,
+                reason=reason,
+                since=now,
+                seq=cur.seq,
+                reclaim_at=now + reclaim_after,
+            )
+
+        step: Step = self._write("fail", self._finish, intent, token, failed)
+        return step
+
+    def release(self, intent: str, token: int) -> Step:
+        step: Step = self._write("release", self._finish, intent, token, lambda cur, now: None)
+        return step
+
+    def renew(self, intent: str, token: int, *, lease_ttl: float, reclaim_after: float) -> Step:
+        def renewed(cur: IntentRecord, now: float) -> IntentRecord:
+            return IntentRecord(
+                intent,
+                State.IN_FLIGHT,
+                token,
+                cur.fingerprint,
+                cur.domain,
+                cur.agent,
+                lease_until=now + lease_ttl,
+                seq=cur.seq,
+                reclaim_at=now + reclaim_after,
+            )
+
+        step: Step = self._write("renew", self._finish, intent, token, renewed)
+        return step
+
+    def clear(self, intent: str) -> IntentRecord | None:
+        def body(conn: sqlite3.Connection) -> IntentRecord | None:
+            rows = conn.execute(
+                f"DELETE FROM intents WHERE intent = ? RETURNING {_COLS}", (intent,)
+            ).fetchall()
+            return self._decode(rows[0]) if rows else None
+
+        out: IntentRecord | None = self._write("clear", body)
+        return out
+
+    def evict_domain(self, domain: str) -> Step:
+        def body(conn: sqlite3.Connection) -> Step:
+            (busy,) = conn.execute(
+                "SELECT count(*) FROM intents WHERE domain = ? AND state = 'in_flight'", (domain,)
+            ).fetchone()
+            if busy:
+                return Step(BUSY, count=busy)
+            rows = conn.execute(
+                "DELETE FROM domains WHERE domain = ? RETURNING seq", (domain,)
+            ).fetchall()
+            if not rows:
+                return Step(APPLIED, value=None)
+            row = rows[0]
+            # raise the floor above every seq the domain handed out: no (domain, seq) pair
+            # can match again, and a re-created domain starts above them all (G5)
+            conn.execute("UPDATE fence SET floor = max(floor, ?) WHERE id = 0", (row[0] + 1,))
+            return Step(APPLIED, value=int(row[0]))
+
+        step: Step = self._write("evict_domain", body)
+        return step
+
+    def sweep(self, limit: int | None = None) -> int:
+        """Delete due records in batches, each one transaction; also drops certificates
+        whose retention ended. Returns how many records went."""
+        total = 0
+        while True:
+            batch = _SWEEP_BATCH if limit is None else min(_SWEEP_BATCH, limit - total)
+            if batch <= 0:
+                return total
+            n: int = self._write("sweep", self._sweep_batch, batch)
+            total += n
+            if n < batch:
+                return total
+
+    def _sweep_batch(self, conn: sqlite3.Connection, batch: int) -> int:
+        now, _ = self._tick(conn)
+        cur = conn.execute(
+            "DELETE FROM intents WHERE rowid IN (SELECT rowid FROM intents "
+            "WHERE reclaim_at <= ?1 ORDER BY reclaim_at LIMIT ?2) AND reclaim_at <= ?1",
+            (now, batch),
+        )
+        conn.execute(
+            "DELETE FROM certs WHERE rowid IN (SELECT rowid FROM certs "
+            "WHERE keep_until <= ?1 AND keep_until < 1e300 ORDER BY keep_until LIMIT ?2)",
+            (now, batch),
+        )
+        return cur.rowcount
+
+    # -- lifetime -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close every connection; later calls report the store unavailable."""
+        self._closed = True
+        with self._all_lock:
+            conns, self._all = self._all, []
+        self._free.clear()
+        for conn in conns:
+            with contextlib.suppress(sqlite3.Error):
+                conn.close()

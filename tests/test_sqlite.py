@@ -1,0 +1,401 @@
+"""What only the SQLite store has to prove: URLs, schema, clock, errors, processes.
+
+The contract itself is proven by test_store_contract (the store is in ``support.STORES``).
+Here: real processes share one file (a storm, SIGKILLed holders, a restart, the default
+path), the store's clock survives a wall clock stepping back, and a store that cannot
+answer is a counted ``store_unavailable`` refusal. Executions are counted at a sink file
+outside the store, opened O_APPEND by every process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support import FakeClock, sqlite_path
+
+from effectfence import (
+    EffectFence,
+    EffectRequest,
+    FenceConfig,
+    IntentInFlight,
+    LeaseLost,
+    Replay,
+    StoreUnavailable,
+)
+from effectfence.model import PreparedEffect
+from effectfence.store import default_store_url, open_store
+from effectfence.store.sqlite import SCHEMA_VERSION, SQLiteStore, StoreSchemaError
+
+WORKER = str(Path(__file__).with_name("sqlite_worker.py"))
+
+
+def req(intent: str = "charge:1", agent: str = "a", cents: int = 77700) -> EffectRequest:
+    return EffectRequest(intent, "order:777", "charge", {"cents": cents}, agent)
+
+
+def spawn(mode: str, env: dict[str, str] | None = None, **args: Any) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, WORKER, mode, json.dumps(args)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=str(Path(__file__).parent),
+    )
+
+
+def wait_ready(p: subprocess.Popen[str]) -> None:
+    assert p.stdout is not None
+    line = p.stdout.readline()
+    assert line.strip() == "ready", (line, p.poll())
+
+
+def finish(p: subprocess.Popen[str], go: bool = True) -> dict[str, Any]:
+    out, _ = p.communicate("go\n" if go else None, timeout=120)
+    assert p.returncode == 0, (p.returncode, out)
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return result
+
+
+def run(mode: str, env: dict[str, str] | None = None, **args: Any) -> dict[str, Any]:
+    p = subprocess.run(
+        [sys.executable, WORKER, mode, json.dumps(args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(Path(__file__).parent),
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stderr
+    result: dict[str, Any] = json.loads(p.stdout.strip().splitlines()[-1])
+    return result
+
+
+def sink_lines(path: str) -> list[str]:
+    try:
+        with open(path) as f:
+            return f.read().splitlines()
+    except FileNotFoundError:
+        return []
+
+
+# -- URLs, schema, options ------------------------------------------------------------------------
+
+
+def test_url_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    db = tmp_path / "a.db"
+    s = open_store(f"sqlite:///{str(db).lstrip('/')}")
+    assert isinstance(s, SQLiteStore) and s.path == str(db)
+    assert s.describe()["synchronous"] == "full" and s.describe()["journal_mode"] == "wal"
+    s.close()
+    s = open_store(f"sqlite:////{str(db).lstrip('/')}?synchronous=normal")  # four slashes too
+    assert isinstance(s, SQLiteStore) and s.path == str(db)
+    assert s.describe()["synchronous"] == "normal"
+    assert s.describe()["url"].endswith("?synchronous=normal")
+    s.close()
+    monkeypatch.chdir(tmp_path)
+    s = open_store("sqlite:///./rel.db")
+    assert isinstance(s, SQLiteStore) and s.path == str(tmp_path / "rel.db")
+    s.close()
+    for bad in (
+        "sqlite:///:memory:",
+        "sqlite://",
+        "sqlite:///",
+        f"sqlite:///{db}?synchronous=off",
+        f"sqlite:///{db}?nope=1",
+    ):
+        with pytest.raises(ValueError):
+            open_store(bad)
+
+
+def test_file_is_owner_only_and_schema_versioned(tmp_path: Path) -> None:
+    path = str(tmp_path / "f.db")
+    s = SQLiteStore(path)
+    s.close()
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    conn = sqlite3.connect(path)
+    assert conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() == (
+        SCHEMA_VERSION,
+    )
+    conn.execute("UPDATE meta SET value = ? WHERE key='schema_version'", (SCHEMA_VERSION + 1,))
+    conn.commit()
+    conn.close()
+    with pytest.raises(StoreSchemaError, match="upgrade effectfence") as ei:
+        SQLiteStore(path)
+    assert ei.value.found == SCHEMA_VERSION + 1 and ei.value.supported == SCHEMA_VERSION
+
+
+def test_refuses_a_foreign_database(tmp_path: Path) -> None:
+    path = str(tmp_path / "other.db")
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE users (id INTEGER)")
+    conn.commit()
+    conn.close()
+    with pytest.raises(StoreSchemaError, match="not an effectfence store"):
+        SQLiteStore(path)
+
+
+def test_identity_and_key_survive_reopening(tmp_path: Path) -> None:
+    path = str(tmp_path / "k.db")
+    a = SQLiteStore(path)
+    scope, key = a.ticket_scope, a.sealing_key()
+    a.close()
+    b = SQLiteStore(path)
+    assert b.ticket_scope == scope and b.sealing_key() == key
+    b.close()
+    c = SQLiteStore(str(tmp_path / "other.db"))
+    assert c.ticket_scope != scope and c.sealing_key() != key
+    c.close()
+
+
+def test_sweep_and_in_flight_use_indexes(tmp_path: Path) -> None:
+    """O(expired): the sweep finds due rows through the reclaim_at index, not a scan."""
+    s = SQLiteStore(str(tmp_path / "p.db"))
+    s.close()
+    conn = sqlite3.connect(str(tmp_path / "p.db"))
+    plan = " ".join(
+        r[3]
+        for r in conn.execute(
+            "EXPLAIN QUERY PLAN SELECT rowid FROM intents WHERE reclaim_at <= 5 "
+            "ORDER BY reclaim_at LIMIT 10"
+        )
+    )
+    assert "intents_reclaim" in plan, plan
+    plan = " ".join(
+        r[3]
+        for r in conn.execute(
+            "EXPLAIN QUERY PLAN SELECT count(*) FROM intents WHERE domain = 'd' "
+            "AND state = 'in_flight'"
+        )
+    )
+    assert "intents_in_flight" in plan, plan
+    conn.close()
+
+
+def test_cert_trail_outlives_the_replay_window(tmp_path: Path) -> None:
+    clock = FakeClock()
+    store = SQLiteStore(str(tmp_path / "c.db"), clock=clock, cert_retention=50.0)
+    fence = EffectFence(FenceConfig(result_ttl=10.0, auto_sweep=False), store=store)
+    t = fence.prepare(req()).ticket
+    cert = fence.commit(t, "ok")
+    clock.advance(10.0)
+    fence.sweep()
+    assert store.get("charge:1") is None  # the replay window ended
+    assert [c.hash for c in store.certs("order:777")] == [cert.hash]  # the trail did not
+    clock.advance(50.0)
+    fence.sweep()
+    assert list(store.certs("order:777")) == []
+    store.close()
+
+
+# -- the clock ------------------------------------------------------------------------------------
+
+
+def test_clock_stepping_back_neither_steals_nor_keeps_a_lease(tmp_path: Path) -> None:
+    clock = FakeClock(1_700_000_000.0)
+    store = SQLiteStore(str(tmp_path / "t.db"), clock=clock)
+    fence = EffectFence(FenceConfig(lease_ttl=10.0, auto_sweep=False), store=store)
+    t = fence.prepare(req(agent="holder")).ticket
+    t0 = store.now()
+    clock.advance(-3600.0)  # the wall clock is stepped back an hour
+    assert store.now() >= t0  # store time never goes back
+    clock.advance(9.0)
+    with pytest.raises(IntentInFlight):  # not stolen: 9 s of the 10 s lease passed
+        fence.prepare(req(agent="thief"))
+    assert store.now() == pytest.approx(t0 + 9.0)
+    clock.advance(1.0)  # not kept: 10 s passed, whatever the wall clock says
+    adm = fence.prepare(req(agent="taker"))
+    assert adm.fresh and adm.takeover and adm.ticket.token > t.token
+    with pytest.raises(LeaseLost):
+        fence.commit(t, "zombie")
+    # another process opening the file now agrees on the time
+    other = SQLiteStore(store.path, clock=clock)
+    assert other.now() == pytest.approx(store.now())
+    other.close()
+    store.close()
+
+
+def test_clock_step_back_seen_by_a_writer_first(tmp_path: Path) -> None:
+    clock = FakeClock(1_700_000_000.0)
+    store = SQLiteStore(str(tmp_path / "w.db"), clock=clock)
+    fence = EffectFence(FenceConfig(lease_ttl=10.0, auto_sweep=False), store=store)
+    a = fence.prepare(req("a")).ticket
+    t0 = store.now()
+    clock.advance(-3600.0)
+    b = fence.prepare(req("b")).ticket  # a write step absorbs the step back
+    assert b.lease_until == pytest.approx(t0 + 10.0)
+    assert a.lease_until == pytest.approx(t0 + 10.0)
+    clock.advance(10.0)
+    assert fence.prepare(req("a", agent="taker")).takeover
+    store.close()
+
+
+# -- errors ---------------------------------------------------------------------------------------
+
+
+def test_locked_database_is_a_counted_store_unavailable(tmp_path: Path) -> None:
+    path = str(tmp_path / "l.db")
+    store = SQLiteStore(path, busy_timeout=0.05)
+    fence = EffectFence(FenceConfig(auto_sweep=False), store=store)
+    t = fence.prepare(req("held")).ticket
+    blocker = sqlite3.connect(path, isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")  # another process holds the write lock
+    try:
+        with pytest.raises(StoreUnavailable) as ei:
+            fence.prepare(req("new"))
+        assert ei.value.code == "store_unavailable" and ei.value.retryable
+        with pytest.raises(StoreUnavailable):
+            fence.commit(t, "ok")
+        stats = fence.stats()
+        assert stats["prepare"]["store_unavailable"] == 1
+        assert stats["refused_ticket_ops"] == 1
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    # nothing was decided: the record is as it was, the ticket still commits
+    assert store.get("new") is None
+    assert fence.commit(t, "ok").verify()
+    assert fence.prepare(req("new")).fresh
+    store.close()
+
+
+def test_closed_store_is_unavailable(tmp_path: Path) -> None:
+    store = SQLiteStore(str(tmp_path / "x.db"))
+    store.close()
+    with pytest.raises(StoreUnavailable):
+        store.get("x")
+
+
+# -- processes ------------------------------------------------------------------------------------
+
+
+def test_storm_four_processes_eight_threads_one_execution(tmp_path: Path) -> None:
+    """4 processes x 8 threads, 1,000 prepares of one intent, released together: one runs."""
+    path = sqlite_path()
+    SQLiteStore(path).close()
+    for rnd in range(3):
+        sink = str(tmp_path / f"sink-{rnd}")
+        intent = f"charge:storm-{rnd}"
+        procs = [
+            spawn("storm", path=path, sink=sink, intent=intent, threads=8, attempts=32)
+            for _ in range(4)
+        ]
+        for p in procs:
+            wait_ready(p)
+        results = [finish(p) for p in procs]
+        executions = sink_lines(sink)
+        assert len(executions) == 1, (rnd, executions, results)
+        total = {k: sum(r[k] for r in results) for k in ("fresh", "replay", "in_flight", "errors")}
+        assert total["errors"] == 0 and total["fresh"] == 1, total
+        assert sum(total.values()) == 4 * 8 * 32 >= 1000
+        hashes = {h for r in results for h in r["hashes"]}
+        assert len(hashes) == 1, hashes
+        store = SQLiteStore(path)
+        rec = store.get(intent)
+        assert rec is not None and rec.cert is not None and rec.cert.hash in hashes
+        store.close()
+
+
+@pytest.mark.parametrize("phase", ["after_claim", "during_effect", "after_effect"])
+def test_sigkilled_holder_is_taken_over_and_its_ticket_fenced(tmp_path: Path, phase: str) -> None:
+    path = sqlite_path()
+    sink = str(tmp_path / "sink")
+    ticket_file = str(tmp_path / "ticket.json")
+    intent = f"charge:crash-{phase}"
+    lease = 0.5
+    p = spawn(
+        "hold", path=path, sink=sink, intent=intent, phase=phase, ticket=ticket_file, lease=lease
+    )
+    wait_ready(p)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(timeout=30)
+    assert p.returncode == -signal.SIGKILL
+    dead_ticket = PreparedEffect.from_dict(json.loads(Path(ticket_file).read_text()))
+    doomed = len(sink_lines(sink))  # what the dead worker did to the world
+
+    store = SQLiteStore(path)
+    fence = EffectFence(FenceConfig(lease_ttl=30.0), store=store)
+    with pytest.raises(IntentInFlight):  # its lease is live: nobody runs it yet
+        fence.prepare(req(intent, agent="early"))
+    # wait for the lease (woken by the store, never past the lease), then race to take over
+    assert fence.wait(intent, timeout=lease * 20)
+
+    def survivor(i: int) -> str:
+        adm = fence.prepare(req(intent, agent=f"survivor-{i}"))
+        if not adm.fresh:
+            return "replay"
+        assert adm.takeover and adm.ticket.token > dead_ticket.token
+        with open(sink, "a") as f:
+            f.write(f"survivor {i}\n")
+        fence.commit(adm.ticket, {"charged": 77700})
+        return "took_over"
+
+    from support import race
+
+    outcomes = race(8, survivor)
+    assert outcomes.count("took_over") == 1, outcomes
+    assert all(o in ("replay", "took_over") or isinstance(o, IntentInFlight) for o in outcomes)
+    assert len(sink_lines(sink)) == doomed + 1  # the survivors executed exactly once
+    # the zombie: the dead worker's ticket, replayed, is powerless
+    for op in (
+        lambda: fence.commit(dead_ticket, {"charged": 77700}),
+        lambda: fence.abort(dead_ticket, "zombie"),
+        lambda: fence.release(dead_ticket),
+        lambda: fence.renew(dead_ticket),
+    ):
+        with pytest.raises(LeaseLost):
+            op()
+    assert isinstance(fence.prepare(req(intent, agent="auditor")), Replay)
+    store.close()
+
+
+def test_committed_intent_replays_after_restart_in_a_new_process(tmp_path: Path) -> None:
+    url = f"sqlite:///{sqlite_path().lstrip('/')}"
+    first = run("commit_one", url=url, intent="charge:restart")
+    assert first["fresh"]
+    again = run("commit_one", url=url, intent="charge:restart", agent="second")
+    assert again == {"fresh": False, "hash": first["hash"], "verify": True}
+    fence = EffectFence.from_url(url)
+    adm = fence.prepare(req("charge:restart", agent="third"))
+    assert isinstance(adm, Replay) and adm.cert.hash == first["hash"] and adm.cert.verify()
+    fence.close()
+
+
+def test_two_processes_share_the_default_store(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "EFFECTFENCE_STORE"}
+    env["XDG_STATE_HOME"] = str(tmp_path / "state")
+    env["HOME"] = str(tmp_path / "home")
+    sealed = run("seal", env=env, intent="charge:shared")
+    expect = tmp_path / "state" / "effectfence" / "fence.db"
+    assert sealed["url"] == f"sqlite:///{str(expect).lstrip('/')}"
+    assert stat.S_IMODE(os.stat(expect.parent).st_mode) == 0o700
+    committed = run("open_and_commit", env=env, wire=sealed["wire"])
+    assert committed["url"] == sealed["url"] and committed["scope"] == sealed["scope"]
+    store = SQLiteStore(str(expect))
+    rec = store.get("charge:shared")
+    assert rec is not None and rec.cert is not None and rec.cert.hash == committed["hash"]
+    store.close()
+
+
+def test_default_store_url_env_override(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EFFECTFENCE_STORE", "memory:")
+    assert default_store_url() == "memory:"
+    monkeypatch.delenv("EFFECTFENCE_STORE")
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "x"))
+    if sys.platform.startswith("linux"):
+        assert (
+            default_store_url() == f"sqlite:///{str(tmp_path).lstrip('/')}/x/effectfence/fence.db"
+        )
+    monkeypatch.setenv("XDG_STATE_HOME", "relative/ignored")
+    monkeypatch.setenv("HOME", str(tmp_path / "h"))
+    if sys.platform.startswith("linux"):
+        assert default_store_url().endswith("/h/.local/state/effectfence/fence.db")
