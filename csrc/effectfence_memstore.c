@@ -743,6 +743,59 @@ static PyObject *core_complete(Core *c, PyObject *const *args, Py_ssize_t nargs,
     return step;
 }
 
+/* -------------------------------------------------------------------------------- reads */
+/* MemoryStore.get/now/due and FenceStore.read: one C call each instead of a Python frame
+ * (prepare and every ticket operation read). */
+
+static PyObject *core_get(Core *c, PyObject *intent) {
+    if (c->records == NULL || !PyDict_CheckExact(c->records)) {
+        check_core(c); /* sets the error */
+        return NULL;
+    }
+    PyObject *rec = PyDict_GetItemWithError(c->records, intent);
+    if (rec == NULL && PyErr_Occurred()) {
+        return NULL;
+    }
+    return Py_NewRef(rec ? rec : Py_None);
+}
+
+static PyObject *core_now(Core *c, PyObject *unused) {
+    if (c->clock == NULL) {
+        PyErr_SetString(PyExc_TypeError, "effectfence._memstore: the store is not initialised");
+        return NULL;
+    }
+    return PyObject_CallNoArgs(c->clock);
+}
+
+static PyObject *core_due(Core *c, PyObject *now) {
+    if (PyFloat_CheckExact(now)) { /* now >= self._next_due */
+        return PyBool_FromLong(PyFloat_AS_DOUBLE(now) >= c->next_due);
+    }
+    PyObject *next_due = PyFloat_FromDouble(c->next_due);
+    if (next_due == NULL) {
+        return NULL;
+    }
+    PyObject *r = PyObject_RichCompare(now, next_due, Py_GE);
+    Py_DECREF(next_due);
+    return r;
+}
+
+static PyObject *core_read(Core *c, PyObject *intent) {
+    PyObject *rec = core_get(c, intent);
+    if (rec == NULL) {
+        return NULL;
+    }
+    PyObject *now = core_now(c, NULL);
+    if (now == NULL) {
+        Py_DECREF(rec);
+        return NULL;
+    }
+    PyObject *out = PyTuple_Pack(2, rec, now);
+    Py_DECREF(rec);
+    Py_DECREF(now);
+    return out;
+}
+
 /* ------------------------------------------------------------------------------- type */
 
 /* A heap subtype's type object is visited and released by CPython's subtype_traverse and
@@ -814,6 +867,10 @@ static PyMethodDef core_methods[] = {
      "MemoryStore.claim, in C."},
     {"complete", (PyCFunction)(void (*)(void))core_complete, METH_FASTCALL | METH_KEYWORDS,
      "MemoryStore.complete, in C."},
+    {"get", (PyCFunction)core_get, METH_O, "MemoryStore.get, in C."},
+    {"now", (PyCFunction)core_now, METH_NOARGS, "MemoryStore.now, in C."},
+    {"due", (PyCFunction)core_due, METH_O, "MemoryStore.due, in C."},
+    {"read", (PyCFunction)core_read, METH_O, "FenceStore.read (get and now), in C."},
     {NULL, NULL, 0, NULL},
 };
 
