@@ -33,7 +33,14 @@ from effectfence.canonical import (
 )
 from effectfence.errors import InvalidRequest
 
-__all__ = ["CERT_FORMAT", "ChainReport", "EffectCert", "spliced_hash", "verify_chain"]
+__all__ = [
+    "CERT_FORMAT",
+    "ChainReport",
+    "EffectCert",
+    "spliced_hash",
+    "spliced_hash_py",
+    "verify_chain",
+]
 
 CERT_FORMAT = "effectfence.cert/1"
 
@@ -96,7 +103,48 @@ def clock_bytes(clock: dict[str, int]) -> bytes:
     return sort_keys_bytes(clock)
 
 
+def _c_cert_hash() -> Any:
+    """``effectfence._certhash.cert_hash`` bound to the C encoder and hashlib, or None: the
+    one place that decides whether :func:`spliced_hash` has a compiled twin."""
+    from effectfence import _accel
+
+    ch, sp = _accel.certhash, _accel.speedups
+    if ch is None or sp is None or ch.FORMAT_JSON.encode() != _FORMAT_JSON:
+        return None
+    ch.bind(sp.string, sp.canonical, hashlib.sha256)
+    return ch.cert_hash
+
+
+_C_CERT_HASH = _c_cert_hash()
+
+
 def spliced_hash(
+    intent: str,
+    parent: str | None,
+    domain: str,
+    seq: int,
+    tool: str,
+    args_json: bytes,
+    result_json: bytes,
+    vector_clock: dict[str, int],
+    read_set: Sequence[tuple[str, int]],
+    agent: str,
+) -> str:
+    """The certificate hash from parts already in canonical form (see
+    :func:`spliced_hash_py`, the definition). The compiled twin (csrc/effectfence_certhash.c)
+    answers when it is built and sure of its bytes; tests/test_certhash.py proves them equal."""
+    if _C_CERT_HASH is not None:
+        out: str | None = _C_CERT_HASH(
+            intent, parent, domain, seq, tool, args_json, result_json, vector_clock, read_set, agent
+        )
+        if out is not None:
+            return out
+    return spliced_hash_py(
+        intent, parent, domain, seq, tool, args_json, result_json, vector_clock, read_set, agent
+    )
+
+
+def spliced_hash_py(
     intent: str,
     parent: str | None,
     domain: str,

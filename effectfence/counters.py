@@ -504,4 +504,15 @@ def backend_info() -> dict[str, object]:
         # with the atomic table, off with EFFECTFENCE_COUNTERS=pure (effectfence._accel)
         "speedups": _accel.speedups is not None,
         "speedups_off_reason": _accel.import_error,
+        # the memory store's claim and complete in C (effectfence.store.cmemory), and which
+        # memory store EffectFence() builds by default
+        "memstore": _accel.memstore is not None,
+        "memstore_off_reason": _accel.memstore_error,
+        "default_store": _default_store(),
     }
+
+
+def _default_store() -> str:
+    from effectfence.store.cmemory import memory_store_kind  # imports this module
+
+    return memory_store_kind()

@@ -62,6 +62,7 @@ from effectfence.protocol import (
     recommit,
 )
 from effectfence.store.base import APPLIED, BUSY, RACE, STALE, FenceStore, Step
+from effectfence.store.cmemory import memory_store
 from effectfence.store.memory import MemoryStore
 
 __all__ = [
@@ -242,7 +243,7 @@ class EffectFence:
                 kw["clock"] = cfg.clock
             if cfg.counters is not None:
                 kw["counters"] = new_table(cfg.counters)
-            store = MemoryStore(**kw)
+            store = memory_store(**kw)  # the C store when it is built (store.cmemory)
         elif cfg.clock is not None:
             raise ValueError("config.clock is for the memory store; a given store has its own")
         self.store = store

@@ -17,10 +17,11 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from effectfence import EffectFence
+from effectfence import EffectFence, _accel
 from effectfence.counters import AtomicCounterTable, new_table
 from effectfence.protocol import IntentRecord
 from effectfence.store.base import FenceStore, Step
+from effectfence.store.cmemory import CMemoryStore
 from effectfence.store.memory import MemoryStore
 
 
@@ -51,6 +52,9 @@ STORES: dict[str, Callable[[FakeClock], FenceStore]] = {
 }
 if AtomicCounterTable is not None:
     STORES["memory-atomic"] = _memory("atomic")
+if AtomicCounterTable is not None and _accel.memstore is not None:
+    # the default store of the compiled build: claim and complete in C
+    STORES["memory-c"] = lambda clock: CMemoryStore(clock=clock, counters=new_table("atomic"))
 
 #: name -> reopen(store, clock): another handle onto the same data as ``store``, opened as a
 #: second process would. Only stores shared between processes have one.

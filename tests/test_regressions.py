@@ -16,6 +16,7 @@ from effectfence.counters import new_table
 from effectfence.decorator import fenced
 from effectfence.errors import InvalidRequest, LeaseLost, ReadSetStale
 from effectfence.model import EffectRequest
+from effectfence.store.cmemory import CMemoryStore
 from effectfence.store.memory import MemoryStore
 
 KINDS = sorted(k.removeprefix("memory-") for k in STORES if k.startswith("memory-"))
@@ -85,8 +86,10 @@ def test_own_domain_read_set_is_checked_atomically_with_the_reservation(kind: st
     Both are admitted, both effects run; A is only caught at commit (FAILED, money moved).
     The claim should refuse A read_set_stale before it runs (compare-exchange S -> S+1)."""
     clock = FakeClock()
-    counters = HookedCounters(new_table(kind))
-    store = MemoryStore(clock=clock, counters=counters)  # type: ignore[arg-type]
+    # "c": the C claim step (store.cmemory) over the atomic table
+    counters = HookedCounters(new_table("atomic" if kind == "c" else kind))
+    cls = CMemoryStore if kind == "c" else MemoryStore
+    store = cls(clock=clock, counters=counters)  # type: ignore[arg-type]
     fence = EffectFence(FenceConfig(auto_sweep=False), store=store)
     a, b = _two_stripes(store)
     s = fence.current("acct")

@@ -60,7 +60,9 @@ def open_store(url: str, **options: Any) -> FenceStore:
         raise StoreURLError(f"unknown store scheme {redact(url)!r}; known: {', '.join(SCHEMES)}")
     module, name = SCHEMES[scheme]
     if scheme == "memory":
-        return MemoryStore(**options)
+        from effectfence.store.cmemory import memory_store
+
+        return memory_store(**options)
     try:
         cls = getattr(importlib.import_module(module), name)
     except ImportError as exc:

@@ -1,0 +1,92 @@
+"""The memory store with its claim and complete steps in C, and the one place that chooses
+the default memory store.
+
+:class:`CMemoryStore` is :class:`~effectfence.store.memory.MemoryStore` with two methods
+replaced by ``effectfence._memstore.Core`` (csrc/effectfence_memstore.c): the same
+compare-and-set steps, the same locks, no rule. ``Core`` owns the store's structures and
+exposes them as the attributes MemoryStore's Python methods use, so every other step (get,
+fail, release, renew, clear, evict_domain, sweep, ...) is MemoryStore's own code.
+
+:func:`memory_store` is what ``EffectFence()`` and ``open_store("memory:")`` build: the C
+store when the extension is loaded (``EFFECTFENCE_COUNTERS`` is not ``pure``) and the counter
+table is the atomic one, otherwise the Python store.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable
+from typing import Any
+
+from effectfence import _accel
+from effectfence.clock import merge_counts
+from effectfence.counters import CounterTable, new_table
+from effectfence.protocol import IntentRecord, State
+from effectfence.store.base import APPLIED, EMPTY_HEAD, MOVED, RACE, STALE, Head, Step
+from effectfence.store.memory import DEFAULT_STRIPES, DEFAULT_WHEEL_GRANULARITY, MemoryStore
+
+__all__ = ["CMemoryStore", "memory_store", "memory_store_kind"]
+
+
+class _NotBuilt:
+    """Stands in for ``Core`` when the extension is not loaded (CMemoryStore refuses)."""
+
+
+_Core: Any = _NotBuilt
+if _accel.memstore is not None:
+    _Core = _accel.memstore.Core
+    _accel.memstore.bind(
+        IntentRecord,
+        Step,
+        Head,
+        EMPTY_HEAD,
+        APPLIED,
+        MOVED,
+        STALE,
+        RACE,
+        State.IN_FLIGHT,
+        State.DONE,
+        State.FAILED,
+        merge_counts,
+        heapq.heappush,
+    )
+
+
+class CMemoryStore(_Core, MemoryStore):  # type: ignore[misc]
+    """MemoryStore whose claim and complete run in C (``effectfence._memstore``)."""
+
+    name = "memory-c"
+
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        counters: CounterTable | None = None,
+        stripes: int = DEFAULT_STRIPES,
+        granularity: float = DEFAULT_WHEEL_GRANULARITY,
+    ) -> None:
+        if _accel.memstore is None:
+            raise RuntimeError(f"the C memory store is {_accel.memstore_error}")
+        MemoryStore.__init__(
+            self, clock=clock, counters=counters, stripes=stripes, granularity=granularity
+        )
+
+
+def memory_store_kind(counters: CounterTable | None = None) -> str:
+    """Which memory store :func:`memory_store` builds for this table: the store's name."""
+    backend = counters.backend if counters is not None else new_table().backend
+    if _accel.memstore is not None and backend == "atomic":
+        return CMemoryStore.name
+    return MemoryStore.name
+
+
+def memory_store(**options: Any) -> MemoryStore:
+    """The default in-process store (see the module docstring); options go to its
+    constructor (``clock``, ``counters``, ``stripes``, ``granularity``)."""
+    counters = options.get("counters")
+    if counters is None:
+        counters = options["counters"] = new_table()
+    if memory_store_kind(counters) == CMemoryStore.name:
+        return CMemoryStore(**options)
+    return MemoryStore(**options)
