@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "wrap": ("effectfence.wrap.proxy", "main", "put any stdio MCP server behind the fence"),
     "probe": ("effectfence.wrap.probe", "main", "N identical calls: did it fire twice?"),
     "demo": ("effectfence.wrap.demo", "main", "a double-firing server, raw and wrapped"),
+    "bench": ("effectfence.cli", "bench_main", "the benchmark suite (a source checkout only)"),
 }
 
 USAGE = "usage: effectfence {" + ",".join(COMMANDS) + "} [options]   (effectfence CMD --help)"
@@ -65,6 +66,27 @@ def info_main(argv: list[str] | None = None) -> int:
         for k, v in data.items():
             print(f"{k:<{width}}  {v}")
     return 0
+
+
+def bench_main(argv: list[str] | None = None) -> int:
+    """Run ``python -m benchmarks`` from the source checkout this package was installed from.
+
+    The suite lives in the repository's ``benchmarks/`` folder, which no wheel contains: from
+    an installed wheel there is nothing to run, and this says so."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "benchmarks" / "suite.py").is_file():
+        print(
+            "effectfence bench: the benchmark suite is not installed with the package (it "
+            "lives in the repository's benchmarks/ folder, which no wheel contains); clone "
+            "the repository, pip install -e '.[bench]' and run python -m benchmarks",
+            file=sys.stderr,
+        )
+        return 2
+    cmd = [sys.executable, "-m", "benchmarks", *(argv or [])]
+    return subprocess.run(cmd, cwd=root, check=False).returncode
 
 
 def main(argv: list[str] | None = None) -> int:
