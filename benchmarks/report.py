@@ -582,7 +582,8 @@ def _sec_peers(d: dict[str, Any]) -> list[str]:
     if servers:
         out += [
             "",
-            "Same servers, same durability for both sides: "
+            "Servers: one per store for every contender on it (effectfence's rows on a server "
+            "store run only when its store is in the build): "
             + "; ".join(
                 f"{k} " + ", ".join(f"{a}={b}" for a, b in v.items()) for k, v in servers.items()
             )

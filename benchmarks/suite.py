@@ -231,7 +231,7 @@ def postgres_facts(url: str) -> dict[str, str]:
         text=True,
         timeout=20,
     )
-    vals = out.stdout.split()
+    vals = out.stdout.strip().splitlines()  # one line per SHOW; a version has spaces in it
     if out.returncode != 0 or len(vals) < 4:
         return {"version": f"unknown ({out.stderr.strip()[:200]})"}
     return {
