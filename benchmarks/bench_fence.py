@@ -215,6 +215,20 @@ def pct(values: list[int], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))] / 1000.0
 
 
+def round_summary(scenario: str, table: str, n: int, threads: int, rnd: int) -> dict[str, Any]:
+    """One round of one scenario, for the suite: ops/s and latency quantiles (us)."""
+    ops, lat = SCENARIOS[scenario](table, n, threads, rnd)
+    return {"ops_s": ops, "latency_us": {"p50": pct(lat, 0.50), "p99": pct(lat, 0.99)}}
+
+
+def build_info() -> dict[str, Any]:
+    """Which build this interpreter runs (compiled core or pure twin), for the suite."""
+    from effectfence.counters import backend_info
+
+    info = backend_info()
+    return {k: info[k] for k in ("backend", "forced", "speedups", "speedups_off_reason")}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--ops", type=int, default=20_000)

@@ -79,6 +79,15 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+#: quantiles of the pooled latencies kept for the suite's distribution charts
+DIST_Q = (0.0, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
+
+
+def _dist(values: list[float]) -> dict[str, float]:
+    """Quantiles (ms) of every latency of a scenario, all rounds pooled."""
+    return {f"p{q * 100:g}": _pct(values, q) * 1e3 for q in DIST_Q}
+
+
 def _summary(per_round: list[float]) -> dict[str, float]:
     return {
         "median": statistics.median(per_round),
@@ -100,6 +109,7 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
     }
     rps: dict[str, list[float]] = {"noop x8": [], "storm x8": []}
     checks = {"fresh": 0, "fresh_expected": 0, "replays_ok": 0, "executions": 0, "intents": 0}
+    pooled: dict[str, list[float]] = {k: [] for k in lat}
 
     async with stdio_client(params) as (read, write), ClientSession(read, write) as s:
         await s.initialize()
@@ -120,7 +130,8 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
             return time.perf_counter() - t0, r
 
         # warm up every path (imports, caches, schema validators)
-        for i in range(100):
+        warm = getattr(args, "warmup", 100)
+        for i in range(warm):
             await s.call_tool("noop", req(f"warm:{i}"))
             _, r = await timed("fence_prepare", req(f"warm:{i}"))
             await s.call_tool(
@@ -148,6 +159,7 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
                 samples["replay"].append(dt)
                 checks["replays_ok"] += r.structured_content["cert"]["hash"] == committed_hash
             for k, v in samples.items():
+                pooled[k].extend(v)
                 lat[k]["p50"].append(_pct(v, 0.50))
                 lat[k]["p99"].append(_pct(v, 0.99))
 
@@ -190,7 +202,7 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
 
         stats = (await s.call_tool("fence_stats", {})).structured_content
 
-    expected_admitted = 100 + rounds * n * 2 + checks["intents"]
+    expected_admitted = warm + rounds * n * 2 + checks["intents"]
     checks["server_admitted"] = stats["prepare"]["admitted"]
     checks["server_admitted_expected"] = expected_admitted
     checks["server_commits"] = stats["events"]["commits"]
@@ -220,6 +232,7 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
         "prepare_overhead_per_round": _summary(per_round_overhead),
         "target": TARGET_OVERHEAD,
         "target_met": overhead["prepare"] < TARGET_OVERHEAD,
+        "distribution_ms": {k: _dist(v) for k, v in pooled.items()},
         "correct": ok,
         "checks": checks,
         "python": sys.version.split()[0],
@@ -270,7 +283,7 @@ async def _measure_http(args: argparse.Namespace) -> dict[str, Any]:
                 await s.initialize()
                 await s.list_tools()
                 sessions.append(s)
-            for i in range(50):  # warm up
+            for i in range(getattr(args, "warmup", 50)):  # warm up
                 for s in sessions:
                     await s.call_tool("noop", _req(f"w{i}"))
                     await s.call_tool("fence_prepare", _req(f"w{i}:{id(s)}"))
@@ -284,6 +297,7 @@ async def _measure_http(args: argparse.Namespace) -> dict[str, Any]:
                         assert r.structured_content["status"] == "fresh", r
 
             res: dict[str, dict[str, list[float]]] = {}
+            pooled: dict[str, list[float]] = {}
             for rnd in range(rounds):
                 # 1 client, noop and prepare interleaved so drift hits both alike
                 one: dict[str, list[float]] = {"noop": [], "fence_prepare": []}
@@ -291,6 +305,7 @@ async def _measure_http(args: argparse.Namespace) -> dict[str, Any]:
                     for tool in ("noop", "fence_prepare"):
                         await client(sessions[0], tool, f"one{rnd}:{i}:{tool}", 1, one[tool])
                 for tool, v in one.items():
+                    pooled.setdefault(f"{tool} x1", []).extend(v)
                     d = res.setdefault(f"{tool} x1", {"p50": [], "p99": [], "calls/s": []})
                     d["p50"].append(_pct(v, 0.5))
                     d["p99"].append(_pct(v, 0.99))
@@ -304,6 +319,7 @@ async def _measure_http(args: argparse.Namespace) -> dict[str, Any]:
                         for c, s in enumerate(sessions):
                             tg.start_soon(client, s, tool, f"many{rnd}:{c}:{tool}", per, lat)
                     wall = time.perf_counter() - t0
+                    pooled.setdefault(f"{tool} x8", []).extend(lat)
                     d = res.setdefault(f"{tool} x8", {"p50": [], "p99": [], "calls/s": []})
                     d["p50"].append(_pct(lat, 0.5))
                     d["p99"].append(_pct(lat, 0.99))
@@ -313,6 +329,7 @@ async def _measure_http(args: argparse.Namespace) -> dict[str, Any]:
         proc.terminate()
         proc.wait(10)
     out["results"] = {k: {q: _summary(v) for q, v in d.items()} for k, d in res.items()}
+    out["distribution_ms"] = {k: _dist(v) for k, v in pooled.items()}
     r = out["results"]
     out["overhead"] = {
         f"x{c}": r[f"fence_prepare x{c}"]["p50"]["median"] / r[f"noop x{c}"]["p50"]["median"] - 1

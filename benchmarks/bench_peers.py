@@ -63,10 +63,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import effectfence
-from effectfence import EffectFence, EffectRequest, FenceConfig
-from effectfence.counters import AtomicCounterTable
-
+# effectfence is imported where it is used, so benchmarks/contenders.py can import this
+# module's helpers in a peer's own virtual environment, where effectfence is not installed.
 try:
     import idempotency as idem_pkg
 except ImportError:  # pragma: no cover - depends on the environment
@@ -129,6 +127,8 @@ def check_replay(name: str, sink: Sink, results: list[Any], n: int) -> None:
 
 
 def effectfence_runners(counters: str) -> dict[str, Runner]:
+    from effectfence import EffectFence, EffectRequest, FenceConfig
+
     name = f"effectfence ({counters})"
 
     def new_fence() -> EffectFence:
@@ -389,6 +389,9 @@ def version_of(dist: str) -> str:
 
 
 def contenders() -> list[Contender]:
+    import effectfence
+    from effectfence.counters import AtomicCounterTable
+
     ef = version_of("effectfence")
     if ef == "?":  # run from a source tree
         ef = str(getattr(effectfence, "__version__", "?"))

@@ -42,6 +42,7 @@ from effectfence.wrap.proxy import META_KEY
 CONCURRENCY = 8
 TARGET_FENCED_MS = 1.0
 TARGET_PASS_MS = 0.3
+DIST_Q = (0.0, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -166,6 +167,11 @@ async def run(rounds: int, calls: int, store: str, tmp: Path) -> dict[str, Any]:
             "wrapped_calls_per_s_8": round(rates[w]),
         }
     out["replay"] = {"wrapped_p50_ms": ms("replay_w", 0.5), "wrapped_p99_ms": ms("replay_w", 0.99)}
+    # quantiles (ms) of every latency, for the suite's distribution charts
+    out["distribution_ms"] = {
+        k: {f"p{q * 100:g}": _pct(v, q) * 1e3 for q in DIST_Q} for k, v in lat.items()
+    }
+    out["checks"] = {"fenced_runs": runs, "distinct_fenced_calls": n + total, "replays": n}
     out["mean_ms"] = {k: round(statistics.fmean(v) * 1e3, 3) for k, v in lat.items()}
     out["targets_met"] = {
         "fenced_added_p50_under_1ms": out["fenced"]["added_p50_ms"] < TARGET_FENCED_MS,
@@ -174,7 +180,7 @@ async def run(rounds: int, calls: int, store: str, tmp: Path) -> dict[str, Any]:
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=300, help="calls per round and scenario")
@@ -183,7 +189,7 @@ def main() -> int:
         "--store",
         help="the wrapper's store (default: a fresh SQLite file, the default store's kind)",
     )
-    opts = parser.parse_args()
+    opts = parser.parse_args(argv)
     if opts.quick:
         opts.rounds, opts.calls = 1, 50
     with tempfile.TemporaryDirectory() as tmp:

@@ -12,8 +12,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
-from effectfence.storm import REFERENCE_MS, STORES, run_many, summary
+from effectfence.storm import REFERENCE_MS, STORES, _waves, run_many, run_storm, summary
+
+
+def warm_up(waves: int = 40, racers: int = 25) -> None:
+    """The discarded pass of the bare harness that ``run_many`` makes first (for the suite)."""
+    _waves(waves, racers, lambda w, i: None)
+
+
+def one_storm(counters: str, waves: int = 40, racers: int = 25) -> dict[str, Any]:
+    """One storm on the memory store, as a dict (the suite's per-run measurement)."""
+    report = run_storm(waves, racers, "memory", counters)
+    return {**report.to_dict(), "ok": report.ok}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "intents": ("effectfence.operator.intents", "main", "list, show, clear (with a reason), watch"),
     "certs": ("effectfence.operator.certs", "main", "export certificates, verify the chain"),
     "console": ("effectfence.operator.console", "main", "web page: fenced intents, clear, audit"),
+    "bench": ("effectfence.cli", "bench_main", "the benchmark suite (a source checkout only)"),
 }
 
 USAGE = "usage: effectfence {" + ",".join(COMMANDS) + "} [options]   (effectfence CMD --help)"
@@ -68,6 +69,27 @@ def info_main(argv: list[str] | None = None) -> int:
         for k, v in data.items():
             print(f"{k:<{width}}  {v}")
     return 0
+
+
+def bench_main(argv: list[str] | None = None) -> int:
+    """Run ``python -m benchmarks`` from the source checkout this package was installed from.
+
+    The suite lives in the repository's ``benchmarks/`` folder, which no wheel contains: from
+    an installed wheel there is nothing to run, and this says so."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "benchmarks" / "suite.py").is_file():
+        print(
+            "effectfence bench: the benchmark suite is not installed with the package (it "
+            "lives in the repository's benchmarks/ folder, which no wheel contains); clone "
+            "the repository, pip install -e '.[bench]' and run python -m benchmarks",
+            file=sys.stderr,
+        )
+        return 2
+    cmd = [sys.executable, "-m", "benchmarks", *(argv or [])]
+    return subprocess.run(cmd, cwd=root, check=False).returncode
 
 
 def main(argv: list[str] | None = None) -> int:

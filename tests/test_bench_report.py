@@ -1,0 +1,199 @@
+"""The benchmark page is generated, never typed: its structure, and the README block.
+
+Nothing here measures: the page generator runs on a small synthetic results JSON.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import report  # noqa: E402
+from benchmarks.suite import SECTIONS  # noqa: E402
+
+
+def s(median: float, lo: float | None = None, hi: float | None = None) -> dict[str, Any]:
+    return {"median": median, "min": lo if lo is not None else median * 0.9,
+            "max": hi if hi is not None else median * 1.1, "n": 3}  # fmt: skip
+
+
+def dist() -> dict[str, float]:
+    return {f"p{q}": 0.1 + q / 100 for q in (0, 5, 10, 25, 50, 75, 90, 95, 99, 100)}
+
+
+def synthetic(quick: bool = False) -> dict[str, Any]:
+    machine = {
+        "cpu_model": "Test CPU 9000", "cpus": 2, "os": "Linux-test", "python": "3.11.7",
+        "python_impl": "CPython", "compiler": "cc (test) 12", "cffi": "2.0.0",
+        "build_flags": "['-std=c11', '-O2']", "python_cflags": "-O3", "effectfence": "0.1.0",
+        "git_commit": "abc1234", "sqlite": "3.40.1", "loadavg_start": [0.5, 0, 0],
+        "loadavg_end": [0.7, 0, 0],
+        "counters": {"backend": "atomic", "speedups": True},
+    }  # fmt: skip
+    lat = {"p50": s(0.002), "p99": s(0.004)}
+    sections: dict[str, Any] = {
+        "counters": {"rounds": 2, "ops_per_thread": 100, "rows": [
+            {"op": "reserve", "call": "slot", "threads": t, "counter": "hot",
+             "atomic": s(5e6), "pure": s(1e6), "ratio": 5.0} for t in (1, 2, 4, 8)]},
+        "fence": {"rounds": 2, "ops": 100, "builds": {"compiled": {"backend": "atomic",
+                  "speedups": True}, "pure": {"backend": "pure", "speedups": False}},
+                  "rows": [{"scenario": sc, "threads": 1,
+                            "compiled": {**s(1e5), "p50_us": 8.0, "p99_us": 20.0},
+                            "pure": {**s(3e4), "p50_us": 25.0, "p99_us": 60.0}, "ratio": 3.33}
+                           for sc in ("fresh", "replay", "in_flight")]},
+        "storm": {"runs": 2, "reference_ms": 22.33, "ratio_pure_over_compiled": 2.5,
+                  "builds": {b: {"attempts": 1000, "executions": [1, 1], "replays": s(999),
+                                 "fence_ms": s(5.0), "harness_ms": s(200.0),
+                                 "fence_over_harness": s(0.025), "prepare_p50_us": s(4.0),
+                                 "prepare_p99_us": s(40.0)} for b in ("compiled", "pure")}},
+        "stores": {"rounds": 1, "fresh_ops": 10, "replay_ops": 100, "modes": ["1 client"],
+                   "rows": [{"store": "sqlite FULL", "kind": "fence", "durability": "FULL",
+                             "fresh 1 client": s(150), "replay 1 client": s(30000)}],
+                   "skipped_rows": {"redis": "server down"},
+                   "servers": {"sqlite": {"version": "3.40.1"}}},
+        "mcp": {"store": "memory", "rounds": 1, "calls": 10,
+                "stdio": {"latency_s": {k: lat for k in ("noop", "prepare", "prepare+commit",
+                                                         "replay")},
+                          "calls_per_s": {"noop x8": s(900), "storm x8": s(700)},
+                          "overhead": {"prepare": 0.05, "replay": 0.02,
+                                       "prepare+commit vs 2x noop": 0.04},
+                          "distribution_ms": {"noop": dist(), "prepare": dist()}},
+                "http": {"results": {f"{t} x{c}": {"p50": s(0.01), "p99": s(0.02),
+                                                   "calls/s": s(500)}
+                                     for t in ("noop", "fence_prepare") for c in (1, 8)},
+                         "overhead": {"x1": 0.03, "x8": 0.06},
+                         "distribution_ms": {"noop x1": dist()}}},
+        "wrap": {"rounds": 1, "calls": 10, "sqlite": {
+            **{k: {"direct_p50_ms": 0.2, "wrapped_p50_ms": 0.5, "added_p50_ms": 0.3,
+                   "added_p99_ms": 0.9, "direct_calls_per_s_8": 4000,
+                   "wrapped_calls_per_s_8": 2000} for k in ("pass", "fenced")},
+            "replay": {"wrapped_p50_ms": 0.3}, "distribution_ms": {"pass_d": dist()}}},
+        "peers": {"rounds": 1, "storms": 1, "ops_memory": [10, 20], "ops_durable": [5, 10],
+                  "effectfence_does": "everything", "effectfence_version": "0.1.0",
+                  "stores": ["memory"],
+                  "peers": {"once-kernel": {"spec": "once-kernel==0.2.1", "version": "0.2.1",
+                                            "does_less": "no certificate"},
+                            "idempotency": {"spec": "idempotency==0.1.0",
+                                            "missing": "pip install failed: no network",
+                                            "does_less": "no payload check"}},
+                  "rows": [{"store": "memory", "scenario": "fresh", "contender": c,
+                            "ops_s": s(v), "effectfence_over": 1e5 / v}
+                           for c, v in (("effectfence", 1e5), ("once-kernel", 2e4))],
+                  "storm_rows": [{"store": "memory", "contender": "once-kernel",
+                                  "attempts": 1000, "executions": [1], "refused": s(0),
+                                  "guard_ms": s(300), "over_effectfence": 30.0}],
+                  "skipped": {"memory": {"idempotency": "not installed"}}, "servers": {}},
+    }  # fmt: skip
+    doc: dict[str, Any] = {
+        "format": "effectfence.bench/1", "date": "2026-01-02 03:04 UTC",
+        "command": "python -m benchmarks" + (" --quick" if quick else ""), "quick": quick,
+        "peers": True, "seconds": 42.0, "machine": machine,
+        "sections": {n: {"status": "ok", "data": sections[n], "checks": [f"{n} was checked"],
+                         "seconds": 1.0} for n in sections},
+    }  # fmt: skip
+    doc["sections"]["scan"] = {"status": "skipped", "reason": "corpus not cached",
+                               "checks": [], "seconds": 0.0}  # fmt: skip
+    doc["sections"] = {n: doc["sections"][n] for n in SECTIONS}
+    return doc
+
+
+def test_page_has_every_section_the_machine_and_the_command() -> None:
+    page = report.render_page(synthetic())
+    assert page.startswith("# effectfence: benchmark results\n")
+    assert report.GENERATED in page
+    assert "**Date:** 2026-01-02 03:04 UTC" in page
+    assert "**Command:** `python -m benchmarks`" in page
+    assert "Test CPU 9000, 2 CPUs" in page and "cffi 2.0.0" in page and "cc (test) 12" in page
+    for name, title in report.TITLES.items():
+        assert f"\n## {title}\n" in page, name
+    assert "## Headline figures" in page and "## Correctness checked while measuring" in page
+    assert "- fence: fence was checked" in page
+    assert "Quick run" not in page
+    # figures come with their min-max, and the ratio beside them
+    assert "100,000/s (90,000\N{EN DASH}110,000); 3.33x the pure twin" in page
+
+
+def test_page_says_why_a_section_or_a_peer_did_not_run() -> None:
+    page = report.render_page(synthetic())
+    assert "**skipped**: corpus not cached" in page
+    assert "- redis: skipped: server down" in page
+    assert "MISSING: pip install failed: no network" in page
+    assert "memory, idempotency: skipped: not installed" in page
+    assert "no certificate" in page  # what a peer does less is said beside it
+
+
+def test_quick_page_says_its_figures_are_indicative() -> None:
+    assert "Quick run: indicative figures only" in report.render_page(synthetic(quick=True))
+
+
+def test_failed_section_is_shown_not_dropped() -> None:
+    doc = synthetic()
+    doc["sections"]["storm"] = {"status": "failed", "reason": "AssertionError: 2 executions",
+                                "checks": [], "seconds": 1.0}  # fmt: skip
+    page = report.render_page(doc)
+    assert "**failed**: AssertionError: 2 executions" in page
+    assert "failed: AssertionError: 2 executions" in report.readme_block(doc)
+
+
+def test_charts_are_linked_when_drawn_and_said_when_not() -> None:
+    page = report.render_page(synthetic(), {"counters": "results/charts/counters.png"})
+    assert "![throughput vs threads, both counter tables](results/charts/counters.png)" in page
+    page = report.render_page(synthetic(), {}, "not drawn: matplotlib is not installed")
+    assert "Charts: not drawn: matplotlib is not installed" in page
+
+
+def test_readme_block_is_replaced_between_its_markers() -> None:
+    doc = synthetic()
+    block = report.readme_block(doc)
+    assert block.startswith(report.BEGIN) and block.endswith(report.END)
+    text = f"intro\n{report.BEGIN}\nold\n{report.END}\noutro\n"
+    assert report.replace_block(text, block) == f"intro\n{block}\noutro\n"
+    with pytest.raises(ValueError):
+        report.replace_block("no markers", block)
+
+
+def test_publish_writes_the_page_and_the_readme_block(tmp_path: Path) -> None:
+    doc = synthetic()
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{report.BEGIN}\n{report.END}\n")
+    written = report.publish(copy.deepcopy(doc), tmp_path / "RESULTS.md", None, readme)
+    assert (tmp_path / "RESULTS.md").read_text() == report.render_page(doc)
+    assert report.readme_block(doc) in readme.read_text()
+    assert len(written) == 2
+
+
+def test_committed_page_comes_from_the_committed_json() -> None:
+    latest = ROOT / "benchmarks" / "results" / "latest.json"
+    doc = json.loads(latest.read_text())
+    page = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    assert not doc["quick"], "the published page must come from a full run"
+    charts = {n: f"results/charts/{f}" for n, (f, _) in report.CHARTS.items()
+              if f"(results/charts/{f})" in page}  # fmt: skip
+    if "mcp" in charts:  # the latency chart sits under MCP, or under wrap when MCP did not run
+        charts.pop("wrap", None)
+    note = "" if charts else report.NO_CHARTS
+    assert page == report.render_page(doc, charts, note)
+    for _, path in charts.items():
+        assert (ROOT / "benchmarks" / path).is_file(), path
+
+
+def test_effectfence_bench_runs_the_suite_from_a_checkout() -> None:
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-m", "effectfence", "bench", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "--quick" in out.stdout and "--peers" in out.stdout
