@@ -261,7 +261,9 @@ static int schedule(Core *c, PyObject *deadline, PyObject *intent, PyObject *tok
                     Py_XDECREF(first);
                     if (f == -1.0 && PyErr_Occurred()) {
                         err = 1;
-                    } else {
+                    } else if (f * c->g < c->next_due) {
+                        /* never later than it was: a limited sweep that stopped in a due
+                         * bucket left next_due at its own now, and it must stay due */
                         c->next_due = f * c->g;
                     }
                 }
