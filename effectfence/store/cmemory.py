@@ -56,7 +56,9 @@ if _accel.memstore is not None:
 class CMemoryStore(_Core, MemoryStore):  # type: ignore[misc]
     """MemoryStore whose claim and complete run in C (``effectfence._memstore``)."""
 
-    name = "memory-c"
+    # the same store to every caller (stats, the MCP server's "no thread hop for memory");
+    # which implementation runs is reported by ``effectfence info`` (default_store)
+    name = "memory"
 
     def __init__(
         self,
@@ -74,11 +76,12 @@ class CMemoryStore(_Core, MemoryStore):  # type: ignore[misc]
 
 
 def memory_store_kind(counters: CounterTable | None = None) -> str:
-    """Which memory store :func:`memory_store` builds for this table: the store's name."""
+    """Which memory store :func:`memory_store` builds for this table ("memory-c" when its
+    claim and complete run in C, else "memory"); both call themselves "memory" in stats."""
     backend = counters.backend if counters is not None else new_table().backend
     if _accel.memstore is not None and backend == "atomic":
-        return CMemoryStore.name
-    return MemoryStore.name
+        return "memory-c"
+    return "memory"
 
 
 def memory_store(**options: Any) -> MemoryStore:
@@ -87,6 +90,6 @@ def memory_store(**options: Any) -> MemoryStore:
     counters = options.get("counters")
     if counters is None:
         counters = options["counters"] = new_table()
-    if memory_store_kind(counters) == CMemoryStore.name:
+    if memory_store_kind(counters) == "memory-c":
         return CMemoryStore(**options)
     return MemoryStore(**options)
