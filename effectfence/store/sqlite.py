@@ -92,6 +92,8 @@ __all__ = [
 SCHEMA_VERSION = 1
 #: how long a step waits for another process's write lock before reporting unavailable
 DEFAULT_BUSY_TIMEOUT = 10.0
+#: SQLITE_BUSY and SQLITE_LOCKED: the low byte of an extended result code names its class
+_BUSY_CODES = (5, 6)
 #: a wall-clock reading this far behind the last one is a step back: readers rebase
 _REBASE_AFTER = 1.0
 #: rows a sweep deletes per transaction, so the write lock is never held for long
@@ -367,9 +369,33 @@ class SQLiteStore(FenceStore):
         return rows
 
     def _init_schema(self) -> tuple[str, str]:
+        """Open (and on first use create) the schema, waiting out other openers.
+
+        Switching a new file to WAL, and the checkpoint that deletes the WAL when the last
+        connection closes, hold locks that SQLite reports as "database is locked" at once,
+        without consulting ``busy_timeout``: two processes started together (two wrappers,
+        a restart) would otherwise fail to open. Such a refusal changes nothing, so it is
+        retried, with a growing pause, until ``busy_timeout`` has passed."""
+        deadline = time.monotonic() + self.busy_timeout
+        pause = 0.001
+        while True:
+            try:
+                return self._init_schema_once()
+            except StoreUnavailable as exc:
+                cause = exc.__cause__
+                code = getattr(cause, "sqlite_errorcode", None)
+                busy = isinstance(code, int) and code & 0xFF in _BUSY_CODES
+                if not busy or time.monotonic() + pause > deadline:
+                    raise
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+
+    def _init_schema_once(self) -> tuple[str, str]:
         conn = self._connect()
         try:
-            mode = str(conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]).lower()
+            mode = str(conn.execute("PRAGMA journal_mode").fetchone()[0]).lower()
+            if mode != "wal":  # WAL is persistent: only the first opener of a file sets it
+                mode = str(conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]).lower()
             if mode != "wal":
                 raise StoreUnavailable(
                     f"the SQLite store {self.path} can't use WAL (journal_mode={mode}); "
