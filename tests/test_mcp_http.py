@@ -422,3 +422,40 @@ async def test_metrics_and_decision_log(server: HttpServer) -> None:
         assert set(d) >= {"tool", "intent", "domain", "principal", "outcome", "token", "latency_ms"}
     assert mine[0]["token"] == mine[2]["token"] and mine[0]["latency_ms"] >= 0
     assert not any(SECRET_ARG in line for line in server.lines)
+
+
+# -- the socket ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_accepted_connections_have_nagle_off(host: str) -> None:
+    """The listening socket must say TCP, or asyncio leaves Nagle on for what it accepts, and
+    each answer on a kept-alive connection waits ~40 ms for the client's delayed ACK."""
+    import asyncio
+    import socket
+
+    from effectfence.mcp.http import listen_socket
+
+    try:
+        sock = listen_socket(host, 0)
+    except SystemExit as exc:  # no IPv6 on this machine
+        pytest.skip(str(exc))
+    seen: list[int] = []
+
+    async def main() -> None:
+        accepted = asyncio.Event()
+
+        def on_connect(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            conn = w.get_extra_info("socket")
+            seen.append(conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            w.close()
+            accepted.set()
+
+        server = await asyncio.start_server(on_connect, sock=sock)
+        async with server:
+            _, w = await asyncio.open_connection(host, sock.getsockname()[1])
+            await asyncio.wait_for(accepted.wait(), 10)
+            w.close()
+
+    asyncio.run(main())
+    assert seen and seen[0] != 0

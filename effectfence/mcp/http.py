@@ -337,6 +337,26 @@ def build_app(
     return _Gate(app, fence=fence, metrics=metrics, principals=principals, security=security)
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The listening socket ``serve_http`` hands to uvicorn.
+
+    Created with ``IPPROTO_TCP``, not 0: asyncio turns Nagle off (``TCP_NODELAY``) only on
+    accepted sockets whose proto says TCP. With proto 0 every answer on a kept-alive
+    connection held its last segment until the client's delayed ACK, ~40 ms later: 22
+    calls/s per client instead of ~1,000."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(1024)
+    except OSError as exc:
+        sock.close()
+        msg = f"effectfence serve: cannot listen on {host}:{port}: {exc.strerror}"
+        raise SystemExit(msg) from None
+    return sock
+
+
 async def serve_http(
     server: MCPServer[Any],
     fence: EffectFence,
@@ -354,16 +374,7 @@ async def serve_http(
     app = build_app(
         server, fence, metrics, host=host, principals=principals, allowed_hosts=allowed_hosts
     )
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(1024)
-    except OSError as exc:
-        sock.close()
-        msg = f"effectfence serve: cannot listen on {host}:{port}: {exc.strerror}"
-        raise SystemExit(msg) from None
+    sock = listen_socket(host, port)
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     line = {
