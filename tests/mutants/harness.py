@@ -418,6 +418,52 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_speedups.py::test_request_init_in_c_refuses_what_python_refuses[call0]",),
         "the C request constructor accepts an empty name the Python one refuses",
     ),
+    # -- the C memory store's compare-and-set steps (csrc/effectfence_memstore.c): mechanics,
+    # not rules, but a store that skips a compare breaks the guarantee the rule relies on.
+    Mutant(
+        "c-store-claim-ignores-observed-record",
+        "G1",
+        "csrc/effectfence_memstore.c",
+        "    if (curp != a[C_EXPECT]) {",
+        "    if (0 && curp != a[C_EXPECT]) {",
+        (
+            "tests/test_store_contract.py::test_claim_expect_none_on_existing_record_is_moved"
+            "[memory-c]",
+            "tests/test_store_contract.py::test_threads_racing_one_intent_exactly_one_fresh"
+            "[memory-c]",
+        ),
+        "a claim installs over a record the decider never saw: two holders",
+    ),
+    Mutant(
+        "c-store-complete-ignores-token",
+        "G2",
+        "csrc/effectfence_memstore.c",
+        "        moved = PyObject_RichCompareBool(f_token, token, Py_NE);",
+        "        moved = 0;",
+        ("tests/test_store_contract.py::test_complete_is_compare_by_token[memory-c-wrong_token]",),
+        "a superseded holder's commit overwrites the current holder's record",
+    ),
+    Mutant(
+        "c-store-claim-ignores-read-set",
+        "G6",
+        "csrc/effectfence_memstore.c",
+        "    if (has_compare) {\n        stale = compare_pairs(c, a[C_COMPARE]);",
+        "    if (0) {\n        stale = compare_pairs(c, a[C_COMPARE]);",
+        ("tests/test_store_contract.py::test_claim_compare_stale_writes_nothing[memory-c]",),
+        "a claim whose read set moved is admitted",
+    ),
+    Mutant(
+        "c-store-complete-ignores-own-seq",
+        "G6",
+        "csrc/effectfence_memstore.c",
+        "    if (stale == Py_None && a[K_OWN_SEQ] != Py_None) {",
+        "    if (0) {",
+        (
+            "tests/test_store_contract.py::test_complete_own_seq_judged_against_the_domain"
+            "[memory-c]",
+        ),
+        "a commit whose own domain moved while the effect ran is recorded as done",
+    ),
 )
 
 
@@ -432,18 +478,26 @@ def copy_tree(dest: Path) -> Path:
     return dest
 
 
-_BUILD_SPEEDUPS = (
+_BUILD_EXTENSION = (
+    "import sys\n"
     "from setuptools import Extension, setup\n"
     "setup(name='mutant', script_args=['-q', 'build_ext', '--inplace'], ext_modules=[Extension("
-    "'effectfence._speedups', ['csrc/effectfence_speedups.c'], "
-    "extra_compile_args=['-std=c11', '-O2'])])\n"
+    "sys.argv[1], [sys.argv[2]], extra_compile_args=['-std=c11', '-O2'])])\n"
 )
 
 
-def rebuild_speedups(tree: Path) -> None:
-    """Compile the tree's (mutated) accelerator over the copied one, as setup.py would."""
+def extension_of(source: str) -> str:
+    """The module a C source builds, as setup.py names it (csrc/effectfence_X.c: ._X)."""
+    stem = Path(source).stem
+    if Path(source).parent.name != "csrc" or not stem.startswith("effectfence_"):
+        raise AssertionError(f"{source}: not one of the package's C extensions")
+    return f"{PKG}._{stem.removeprefix('effectfence_')}"
+
+
+def rebuild_extension(tree: Path, source: str) -> None:
+    """Compile the tree's (mutated) extension over the copied one, as setup.py would."""
     subprocess.run(
-        [sys.executable, "-c", _BUILD_SPEEDUPS],
+        [sys.executable, "-c", _BUILD_EXTENSION, extension_of(source), source],
         cwd=tree,
         env=_env(tree),
         capture_output=True,
@@ -483,7 +537,7 @@ def check_snippets(root: Path = ROOT) -> list[str]:
 #: killed in both: a second copy in C would show up here as a survivor in the compiled build.
 BUILDS = ("atomic", "pure")
 #: killer ids that exist only in the compiled build (the atomic table's parametrizations)
-_COMPILED_ONLY = ("[memory-atomic", "[atomic]", "test_speedups.py")
+_COMPILED_ONLY = ("[memory-atomic", "[memory-c", "[atomic]", "test_speedups.py")
 
 
 def _env(tree: Path, build: str | None = None) -> dict[str, str]:
@@ -578,7 +632,7 @@ def run_mutant(mutant: Mutant) -> tuple[Mutant, Outcome]:
         try:
             apply(mutant, tree)
             if mutant.file.endswith(".c"):
-                rebuild_speedups(tree)
+                rebuild_extension(tree, mutant.file)
         except AssertionError as exc:  # reported as a survivor, with the reason
             return mutant, Outcome(-1, (), str(exc))
         except subprocess.CalledProcessError as exc:  # a mutant that does not compile
