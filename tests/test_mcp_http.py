@@ -22,8 +22,11 @@ import pytest
 from mcp import ClientSession
 from mcp_support import HttpServer, child_env, http_server, http_session
 from mcp_types import CallToolResult
+from support import sqlite_path
 
+from effectfence import EffectFence, FenceConfig
 from effectfence.mcp.http import Principals, check_exposure, parse_bind
+from effectfence.mcp.server import HTTP_CLEARER
 
 pytestmark = pytest.mark.anyio
 
@@ -55,6 +58,19 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpServer]:
     tokens.chmod(0o600)
     with http_server([*SERVE, "--http", "127.0.0.1:0", "--tokens", str(tokens)]) as srv:
         yield srv
+
+
+@pytest.fixture(scope="module")
+def operator_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[HttpServer, str]]:
+    """A server that lets its clients clear (--allow-clear), on a SQLite file this test
+    process opens too, to read the audit trail the server wrote; and the store's URL."""
+    tokens = tmp_path_factory.mktemp("tokens") / "tokens"
+    tokens.write_text("".join(f"{p} {t}\n" for p, t in TOKENS.items()))
+    tokens.chmod(0o600)
+    store = f"sqlite:///{sqlite_path().lstrip('/')}"
+    argv = [*SERVE, "--http", "127.0.0.1:0", "--tokens", str(tokens), "--allow-clear"]
+    with http_server([*argv, "--store", store]) as srv:
+        yield srv, store
 
 
 def req(intent: str, agent: str = "typed-by-caller") -> dict[str, Any]:
@@ -256,6 +272,71 @@ def test_tokens_file_rules(tmp_path: Path) -> None:
         stdin=subprocess.DEVNULL,
     )
     assert proc.returncode == 2 and "cannot read the tokens file" in proc.stderr
+
+
+# -- the operator's clear over HTTP -------------------------------------------------------------
+
+
+async def test_clear_over_http_records_the_tokens_principal_and_the_reason(
+    operator_server: tuple[HttpServer, str],
+) -> None:
+    srv, store = operator_server
+    fence = EffectFence.from_url(store, FenceConfig())
+    try:
+        async with (
+            http_session(srv.url, TOKENS["alice"]) as alice,
+            http_session(srv.url, TOKENS["bob"]) as bob,
+        ):
+            held = ok(await alice.call_tool("fence_prepare", req("clear:1")))
+            before = await state(bob, "clear:1")
+            for arguments, refused in (
+                ({"intent": "clear:1"}, "invalid_request"),
+                ({"intent": "clear:1", "reason": ""}, "invalid_request"),
+                ({"intent": "clear:1", "reason": "stuck?"}, "intent_in_flight"),
+                ({"intent": "clear:1", "reason": "stuck?", "force": False}, "intent_in_flight"),
+            ):
+                assert code(await bob.call_tool("fence_clear", arguments)) == refused, arguments
+            assert await state(bob, "clear:1") == before and fence.audit("clear:1") == []
+
+            why = "alice's worker host was replaced; the charge never left"
+            forced = ok(
+                await bob.call_tool(
+                    "fence_clear", {"intent": "clear:1", "reason": why, "force": True}
+                )
+            )
+            [entry] = fence.audit("clear:1")
+            assert (entry.who, entry.reason, entry.forced) == ("bob (mcp)", why, True)
+            assert entry.previous["holder"] == "alice" and entry.previous["state"] == "in_flight"
+            assert forced["audit_id"] == entry.id and forced["who"] == "bob (mcp)"
+            commit = {"prepared": held["prepared"], "result": 1}
+            assert code(await alice.call_tool("fence_commit", commit)) == "lease_lost"
+
+            # a failed intent needs no force; the caller cannot name someone else
+            t = ok(await alice.call_tool("fence_prepare", req("clear:2")))["prepared"]
+            ok(await alice.call_tool("fence_abort", {"prepared": t, "reason": "timeout"}))
+            impostor = {"intent": "clear:2", "reason": "x", "who": "root"}
+            assert code(await alice.call_tool("fence_clear", impostor)) == "invalid_request"
+            out = ok(await alice.call_tool("fence_clear", {"intent": "clear:2", "reason": "ok"}))
+            assert out["who"] == "alice (mcp)" and out["forced"] is False
+            [entry] = fence.audit("clear:2")
+            assert (entry.who, entry.reason, entry.previous["failure"]) == (
+                "alice (mcp)",
+                "ok",
+                "timeout",
+            )
+    finally:
+        fence.close()
+
+
+async def test_clear_over_http_without_tokens_names_the_transport() -> None:
+    with http_server([*SERVE, "--http", "127.0.0.1:0", "--allow-clear"]) as srv:
+        async with http_session(srv.url) as session:
+            t = ok(await session.call_tool("fence_prepare", req("clear:1")))["prepared"]
+            ok(await session.call_tool("fence_abort", {"prepared": t}))
+            out = ok(
+                await session.call_tool("fence_clear", {"intent": "clear:1", "reason": "checked"})
+            )
+    assert out["who"] == HTTP_CLEARER == "mcp client (http, no token)"
 
 
 # -- transport security and bytes no client would send ---------------------------------------
