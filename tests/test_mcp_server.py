@@ -685,7 +685,16 @@ def test_serve_refuses_unknown_stores_without_echoing_credentials(
     assert "hunter2" not in err
 
 
-@pytest.mark.parametrize("argv", [["--lease-ttl", "0"], ["--result-ttl", "-5"], ["--bogus"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--lease-ttl", "0"],
+        ["--result-ttl", "-5"],
+        ["--bogus"],
+        ["--console"],  # the console is mounted on the HTTP server only
+        ["--http", "0", "--show-payload"],  # payloads are the console's, and only with it
+    ],
+)
 def test_serve_refuses_bad_options(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(argv)

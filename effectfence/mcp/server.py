@@ -900,6 +900,18 @@ def main(argv: list[str] | None = None) -> int:
         "loopback names and the bound address otherwise); repeatable",
     )
     parser.add_argument(
+        "--console",
+        action="store_true",
+        help="HTTP: serve the operator's console at /console/ on the same server (behind the "
+        "same tokens: a browser logs in with one), charting this server's fence_stats "
+        "counters; it clears intents only with --allow-clear",
+    )
+    parser.add_argument(
+        "--show-payload",
+        action="store_true",
+        help="console: show intents' args and results (they may hold personal data)",
+    )
+    parser.add_argument(
         "--log-level",
         choices=["off", "debug", "info", "warning"],
         default=None,
@@ -919,11 +931,14 @@ def main(argv: list[str] | None = None) -> int:
             http.check_exposure(bind[0], principals)
         except ValueError as exc:
             parser.error(str(exc))
-    elif args.tokens is not None or args.allow_host:
-        parser.error("--tokens and --allow-host apply to --http only")
+    elif args.tokens is not None or args.allow_host or args.console:
+        parser.error("--tokens, --allow-host and --console apply to --http only")
+    if args.show_payload and not args.console:
+        parser.error("--show-payload applies to --console only")
+    store_url = args.store or default_store_url()
     try:
         config = FenceConfig(lease_ttl=args.lease_ttl, result_ttl=args.result_ttl)
-        fence = open_fence(args.store or default_store_url(), config)
+        fence = open_fence(store_url, config)
         signer = TicketSigner.for_store(fence.store)
     except ValueError as exc:
         hint = f" (check {TICKET_KEY_ENV})" if "key" in str(exc) else ""
@@ -942,7 +957,19 @@ def main(argv: list[str] | None = None) -> int:
             server.run("stdio")
         else:
             from effectfence.mcp import http
+            from effectfence.store import redact
 
+            console = None
+            if args.console:
+                console = http.console_for(
+                    fence,
+                    host=bind[0],
+                    principals=principals,
+                    allowed_hosts=args.allow_host,
+                    allow_clear=args.allow_clear,
+                    show_payload=args.show_payload,
+                    store_label=redact(store_url),
+                )
             anyio.run(
                 lambda: http.serve_http(
                     server,
@@ -952,6 +979,7 @@ def main(argv: list[str] | None = None) -> int:
                     port=bind[1],
                     principals=principals,
                     allowed_hosts=args.allow_host,
+                    console=console,
                 )
             )
     except KeyboardInterrupt:
