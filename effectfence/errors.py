@@ -121,7 +121,7 @@ class IntentFailed(Refusal):
     code = "intent_failed"
     recover = (
         "do not run it again: the effect may have run. Reconcile downstream, then an "
-        f"operator clears the intent ({CLEAR_COMMAND}; library: fence.clear_intent)"
+        f"operator clears the intent ({CLEAR_COMMAND}; library: fence.clear)"
     )
 
 

@@ -142,8 +142,19 @@ def cases(data: dict[str, Any]) -> list[Case]:
         Case(
             "cleared",
             "fence_clear",
-            {"intent": "seed:to-clear"},
-            expect={"cleared": True, "previous_state": "failed"},
+            {"intent": "seed:to-clear", "reason": "refunded by hand"},
+            expect={
+                "cleared": True,
+                "previous_state": "failed",
+                "reason": "refunded by hand",
+                "forced": False,
+            },
+        ),
+        Case(
+            "clear-absent",
+            "fence_clear",
+            {"intent": "seed:none", "reason": "nothing there"},
+            expect={"cleared": False, "previous_state": "absent"},
         ),
         # every refusal code
         Case("in-flight", "fence_prepare", _prepare("seed:held"), code="intent_in_flight"),
@@ -180,6 +191,20 @@ def cases(data: dict[str, Any]) -> list[Case]:
             code="invalid_request",
         ),
         Case("store-down", "fence_prepare", _prepare("seed:down"), code="store_unavailable"),
+        # the operator's clear: a reason always, force for a live lease
+        Case(
+            "clear-held",
+            "fence_clear",
+            {"intent": "seed:held", "reason": "looks stuck"},
+            code="intent_in_flight",
+        ),
+        Case("clear-no-reason", "fence_clear", {"intent": "seed:failed"}, code="invalid_request"),
+        Case(
+            "clear-blank-reason",
+            "fence_clear",
+            {"intent": "seed:failed", "reason": " "},
+            code="invalid_request",
+        ),
     ]
 
 

@@ -1,4 +1,6 @@
-"""The console page: its gates over HTTP, and the whole operator's round in a real browser.
+"""The console page: its gates over HTTP, and the whole operator's round in a real browser,
+on ``effectfence console`` and on ``effectfence serve --http --console`` (the console mounted
+on the MCP server, charting its fence_stats counters while real MCP clients use it).
 
 The browser is Debian's headless Chromium driven by Selenium. Missing, it is installed
 (``apt-get install chromium chromium-driver``, as root) once per session; if it still
@@ -12,6 +14,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import urllib.error
 import urllib.request
@@ -19,11 +22,21 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
+from mcp_support import http_server as spawn_http_server
+from mcp_support import http_session
 from support import sqlite_path
 
 from effectfence import EffectFence, EffectRequest, FenceConfig
-from effectfence.operator.console import CSRF_HEADER, ConsoleServer, check_bind, serve
+from effectfence.operator.console import (
+    CSRF_HEADER,
+    Console,
+    ConsoleServer,
+    allowed_names,
+    check_bind,
+    serve,
+)
 
 SECRET = "4111-1111-1111-1111"
 ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
@@ -169,6 +182,53 @@ def test_with_tokens_every_page_needs_them(fence: EffectFence) -> None:
         server.stop()
 
 
+def test_a_look_only_console_refuses_to_clear(fence: EffectFence) -> None:
+    """``allow_clear=False`` (serve --console without --allow-clear): no form, no clear."""
+    fence.abort(fence.prepare(req(1)).ticket, "x")  # type: ignore[union-attr]
+    console = Console(fence, who="tester", allow_clear=False)
+    hdr = {"Host": "127.0.0.1:1", CSRF_HEADER: console._open_csrf}
+    status, _, page, _ = console.handle("GET", "/intent?id=charge%3A1", hdr, b"")
+    assert status == 200 and b"id=clear-off" in page and b"id=clear-form" not in page
+    body = json.dumps({"intent": "charge:1", "reason": "r", "force": True}).encode()
+    status, _, out, _ = console.handle("POST", "/api/clear", hdr, body)
+    assert status == 403 and json.loads(out)["error"] == "clear_disabled"
+    assert fence.intent_status("charge:1").state == "failed" and fence.audit() == []
+
+
+def test_a_console_below_a_base_path_names_it_everywhere(fence: EffectFence) -> None:
+    from effectfence.mcp.http import Principals
+
+    fence.abort(fence.prepare(req(1)).ticket, "x")  # type: ignore[union-attr]
+    console = Console(fence, principals=Principals.parse(f"ops {TOKEN}"), base="/console")
+    host = {"Host": "127.0.0.1:1"}
+    bearer = {**host, "Authorization": f"Bearer {TOKEN}"}
+    for outside in ("/", "/api/stats", "/consoles", "/intent?id=charge%3A1"):
+        assert console.handle("GET", outside, bearer, b"")[0] == 404, outside
+    status, _, _, headers = console.handle("GET", "/console/", host, b"")
+    assert status == 303 and dict(headers)["Location"] == "/console/login"
+    status, _, page, _ = console.handle("GET", "/console/login", host, b"")
+    assert b"action='/console/login'" in page
+    form = f"token={TOKEN}".encode()
+    status, _, _, headers = console.handle("POST", "/console/login", host, form)
+    assert status == 303 and dict(headers)["Location"] == "/console/"
+    assert "Path=/console" in dict(headers)["Set-Cookie"]
+    for index in ("/console", "/console/"):
+        status, _, page, _ = console.handle("GET", index, bearer, b"")
+        assert status == 200 and b"href='/console/intent?id=charge%3A1'" in page
+        assert b'const BASE="/console"' in page and b'fetch(BASE+"/api/intents"' in page
+    status, _, page, _ = console.handle("GET", "/console/intent?id=charge%3A1", bearer, b"")
+    assert b"href='/console/'" in page and b'fetch(BASE+"/api/clear"' in page
+    assert console.handle("GET", "/console/api/stats", bearer, b"")[0] == 200
+    with pytest.raises(ValueError):
+        Console(fence, base="/console/")
+    assert allowed_names("0.0.0.0", ["fence.internal:8443", "[fd00::1]:80", "ops"]) == (
+        "fence.internal",
+        "[fd00::1]",
+        "ops",
+    )
+    assert allowed_names("10.0.0.5") == ("10.0.0.5",) and allowed_names("127.0.0.1") == ()
+
+
 def test_payloads_shown_only_when_asked(fence: EffectFence) -> None:
     t = fence.prepare(req(1)).ticket  # type: ignore[union-attr]
     fence.commit(t, {"receipt": SECRET})
@@ -286,3 +346,104 @@ def test_console_in_a_browser(fence: EffectFence, console: ConsoleServer, browse
     browser.save_screenshot(str(shot))
     assert shot.stat().st_size > 0
     print(f"\nscreenshot: {shot}")
+
+
+# -- the console on the MCP server, in a browser -------------------------------------------------
+
+AGENT_TOKEN = "billing-bot-token-0123456789abcdef"
+
+
+def _mcp_calls(url: str, *calls: tuple[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Call the server's tools over streamable HTTP (the mcp SDK), as the agent principal;
+    ``"$prepared"`` in arguments is the previous answer's ticket."""
+
+    async def run() -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        async with http_session(url, AGENT_TOKEN) as session:
+            for tool, arguments in calls:
+                if arguments.get("prepared") == "$prepared":
+                    arguments = {**arguments, "prepared": out[-1]["prepared"]}
+                result = await session.call_tool(tool, arguments)
+                assert not result.is_error, result.content
+                assert result.structured_content is not None
+                out.append(result.structured_content)
+        return out
+
+    return anyio.run(run)
+
+
+def _polyline_ys(browser: Any, series: str) -> list[float]:
+    from selenium.webdriver.common.by import By
+
+    line = browser.find_element(By.CSS_SELECTOR, f"#chart polyline[data-series='{series}']")
+    return [float(p.split(",")[1]) for p in line.get_attribute("points").split()]
+
+
+def test_console_on_the_mcp_server_in_a_browser(browser: Any, tmp_path: Path) -> None:
+    """``effectfence serve --http --console --tokens``: log in with a token, watch a real
+    MCP client's prepares and commits move the chart's fence_stats series, then clear the
+    intent it aborted from the page, with a reason recorded under the operator's name."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"ops {TOKEN}\nbilling-bot {AGENT_TOKEN}\n")
+    tokens.chmod(0o600)
+    argv = [sys.executable, "-m", "effectfence", "serve", "--http", "127.0.0.1:0"]
+    argv += ["--console", "--tokens", str(tokens), "--allow-clear"]
+    with spawn_http_server(argv) as srv:
+        wait = WebDriverWait(browser, 20)
+        browser.get(srv.base + "/console/")
+        token = wait.until(ec.presence_of_element_located((By.NAME, "token")))
+        assert browser.current_url == srv.base + "/console/login"
+        token.send_keys(TOKEN)
+        token.submit()
+        wait.until(ec.text_to_be_present_in_element((By.TAG_NAME, "body"), "signed in as ops"))
+        legend = (By.ID, "legend")
+        wait.until(ec.text_to_be_present_in_element(legend, "admitted 0"))
+
+        charge = {"domain": "order:1", "tool": "charge", "args": {"card": SECRET}}
+        answers = _mcp_calls(
+            srv.url,
+            ("fence_prepare", {"intent": "charge:1", **charge}),
+            ("fence_commit", {"prepared": "$prepared", "result": {"charge": "ch_1"}}),
+            ("fence_prepare", {"intent": "charge:1", **charge}),
+            ("fence_prepare", {"intent": "charge:2", **charge}),
+            ("fence_abort", {"prepared": "$prepared", "reason": "bank timeout"}),
+            ("fence_stats", {}),
+        )
+        assert answers[2]["status"] == "replay"
+        stats = answers[-1]
+        assert stats["prepare"]["admitted"] == 2 and stats["events"]["commits"] == 1
+        # the chart follows the server's own counters: no reload, the page polls
+        for shown in ("admitted 2", "commits 1", "replayed 1", "aborts 1", "attempts 3"):
+            wait.until(ec.text_to_be_present_in_element(legend, shown))
+        for series in ("admitted", "commits"):
+            ys = _polyline_ys(browser, series)
+            assert ys[0] > ys[-1], (series, ys)  # it rose from 0 (SVG y grows downwards)
+        row = (By.CSS_SELECTOR, "#intents tr[data-intent='charge:2']")
+        wait.until(ec.text_to_be_present_in_element(row, "failed"))
+        assert SECRET not in browser.page_source
+        ARTIFACTS.mkdir(exist_ok=True)
+        browser.save_screenshot(str(ARTIFACTS / "console-serve-chart.png"))
+
+        browser.find_element(By.LINK_TEXT, "charge:2").click()
+        wait.until(ec.presence_of_element_located((By.ID, "clear-form")))
+        assert browser.current_url.startswith(srv.base + "/console/intent?id=")
+        browser.find_element(By.ID, "reason").send_keys("the bank shows no charge; ticket #82")
+        browser.find_element(By.ID, "clear").click()
+        wait.until(ec.text_to_be_present_in_element((By.ID, "result"), "by ops (console)"))
+        [status] = _mcp_calls(srv.url, ("fence_status", {"intent": "charge:2"}))
+        assert status["state"] == "absent"
+
+        browser.find_element(By.PARTIAL_LINK_TEXT, "all intents").click()
+        audit = (By.ID, "audit")
+        wait.until(ec.text_to_be_present_in_element(audit, "the bank shows no charge; ticket #82"))
+        wait.until(lambda d: not d.find_elements(*row))
+        assert "ops (console)" in browser.find_element(*audit).text
+        wait.until(ec.text_to_be_present_in_element(legend, "clears 1"))
+        shot = ARTIFACTS / "console-serve.png"
+        browser.save_screenshot(str(shot))
+        assert shot.stat().st_size > 0
+        print(f"\nscreenshot: {shot}")

@@ -250,8 +250,13 @@ def _arguments(draw: Callable[[st.SearchStrategy[Any]], Any], tool: str, h: Harn
     if tool == "fence_renew":
         ttl = sometimes(st.floats(min_value=0.1, max_value=60))
         return draw(shaped({"prepared": tickets(h.tickets)}, {"ttl": ttl}))
-    if tool in ("fence_status", "fence_clear"):
+    if tool == "fence_status":
         return draw(shaped({"intent": sometimes(names)}))
+    if tool == "fence_clear":
+        # reasons drawn from any text: empty and blank ones are refused, the rest recorded;
+        # force now and then, so live leases are both refused and forced
+        required = {"intent": sometimes(names), "reason": sometimes(st.text(max_size=12))}
+        return draw(shaped(required, {"force": sometimes(st.booleans())}))
     if tool == "fence_stats":
         return draw(shaped({}))
     assert tool == "fence_verify"
@@ -304,6 +309,15 @@ def test_fuzzed_calls_never_crash_hang_or_leave_a_trace(
         h.tickets.append(out["prepared"])
     if action == "fence_commit":
         h.certs.append(out["cert"])
+    if action == "fence_clear" and out["cleared"]:
+        # every clear that answered is the one the audit trail recorded, with its reason
+        entry = h.fence.audit(out["intent"])[-1]
+        assert (entry.id, entry.who, entry.reason) == (
+            out["audit_id"],
+            "mcp client (stdio)",
+            arguments["reason"],
+        )
+        assert entry.forced is out["forced"] and (not entry.forced or arguments["force"] is True)
 
 
 def test_fuzz_harness_made_real_transitions(harness: Harness) -> None:
@@ -313,6 +327,7 @@ def test_fuzz_harness_made_real_transitions(harness: Harness) -> None:
     # tickets were committed, aborted or released (which, and how often, depends on the
     # examples drawn; CI runs derandomized, so there it is the same set every time)
     assert stats["commits"] + stats["aborts"] + stats["releases"] > 5
+    assert stats["clears"] > 0 and harness.fence.audit(limit=1)  # reasons reached the trail
     # (invalid_request is not required here: most malformed calls are refused by the input
     # models before the fence counts them, and whether a generated payload also passes the
     # models but fails canonicalization depends on the examples drawn; the deterministic

@@ -12,6 +12,7 @@ import json
 import random
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,8 +23,11 @@ import pytest
 from mcp import ClientSession
 from mcp_support import HttpServer, child_env, http_server, http_session
 from mcp_types import CallToolResult
+from support import sqlite_path
 
+from effectfence import EffectFence, FenceConfig
 from effectfence.mcp.http import Principals, check_exposure, parse_bind
+from effectfence.mcp.server import HTTP_CLEARER
 
 pytestmark = pytest.mark.anyio
 
@@ -55,6 +59,20 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpServer]:
     tokens.chmod(0o600)
     with http_server([*SERVE, "--http", "127.0.0.1:0", "--tokens", str(tokens)]) as srv:
         yield srv
+
+
+@pytest.fixture(scope="module")
+def operator_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[HttpServer, str]]:
+    """A server that lets its clients clear (--allow-clear) and mounts the console, on a
+    SQLite file this test process opens too, to read the audit trail the server wrote; and
+    the store's URL."""
+    tokens = tmp_path_factory.mktemp("tokens") / "tokens"
+    tokens.write_text("".join(f"{p} {t}\n" for p, t in TOKENS.items()))
+    tokens.chmod(0o600)
+    store = f"sqlite:///{sqlite_path().lstrip('/')}"
+    argv = [*SERVE, "--http", "127.0.0.1:0", "--tokens", str(tokens), "--allow-clear", "--console"]
+    with http_server([*argv, "--store", store]) as srv:
+        yield srv, store
 
 
 def req(intent: str, agent: str = "typed-by-caller") -> dict[str, Any]:
@@ -256,6 +274,241 @@ def test_tokens_file_rules(tmp_path: Path) -> None:
         stdin=subprocess.DEVNULL,
     )
     assert proc.returncode == 2 and "cannot read the tokens file" in proc.stderr
+
+
+# -- the operator's clear over HTTP -------------------------------------------------------------
+
+
+async def test_clear_over_http_records_the_tokens_principal_and_the_reason(
+    operator_server: tuple[HttpServer, str],
+) -> None:
+    srv, store = operator_server
+    fence = EffectFence.from_url(store, FenceConfig())
+    try:
+        async with (
+            http_session(srv.url, TOKENS["alice"]) as alice,
+            http_session(srv.url, TOKENS["bob"]) as bob,
+        ):
+            held = ok(await alice.call_tool("fence_prepare", req("clear:1")))
+            before = await state(bob, "clear:1")
+            for arguments, refused in (
+                ({"intent": "clear:1"}, "invalid_request"),
+                ({"intent": "clear:1", "reason": ""}, "invalid_request"),
+                ({"intent": "clear:1", "reason": "stuck?"}, "intent_in_flight"),
+                ({"intent": "clear:1", "reason": "stuck?", "force": False}, "intent_in_flight"),
+            ):
+                assert code(await bob.call_tool("fence_clear", arguments)) == refused, arguments
+            assert await state(bob, "clear:1") == before and fence.audit("clear:1") == []
+
+            why = "alice's worker host was replaced; the charge never left"
+            forced = ok(
+                await bob.call_tool(
+                    "fence_clear", {"intent": "clear:1", "reason": why, "force": True}
+                )
+            )
+            [entry] = fence.audit("clear:1")
+            assert (entry.who, entry.reason, entry.forced) == ("bob (mcp)", why, True)
+            assert entry.previous["holder"] == "alice" and entry.previous["state"] == "in_flight"
+            assert forced["audit_id"] == entry.id and forced["who"] == "bob (mcp)"
+            commit = {"prepared": held["prepared"], "result": 1}
+            assert code(await alice.call_tool("fence_commit", commit)) == "lease_lost"
+
+            # a failed intent needs no force; the caller cannot name someone else
+            t = ok(await alice.call_tool("fence_prepare", req("clear:2")))["prepared"]
+            ok(await alice.call_tool("fence_abort", {"prepared": t, "reason": "timeout"}))
+            impostor = {"intent": "clear:2", "reason": "x", "who": "root"}
+            assert code(await alice.call_tool("fence_clear", impostor)) == "invalid_request"
+            out = ok(await alice.call_tool("fence_clear", {"intent": "clear:2", "reason": "ok"}))
+            assert out["who"] == "alice (mcp)" and out["forced"] is False
+            [entry] = fence.audit("clear:2")
+            assert (entry.who, entry.reason, entry.previous["failure"]) == (
+                "alice (mcp)",
+                "ok",
+                "timeout",
+            )
+    finally:
+        fence.close()
+
+
+async def test_clear_over_http_without_tokens_names_the_transport() -> None:
+    with http_server([*SERVE, "--http", "127.0.0.1:0", "--allow-clear"]) as srv:
+        async with http_session(srv.url) as session:
+            t = ok(await session.call_tool("fence_prepare", req("clear:1")))["prepared"]
+            ok(await session.call_tool("fence_abort", {"prepared": t}))
+            out = ok(
+                await session.call_tool("fence_clear", {"intent": "clear:1", "reason": "checked"})
+            )
+    assert out["who"] == HTTP_CLEARER == "mcp client (http, no token)"
+
+
+# -- the console on the server (--console) ----------------------------------------------------
+
+COUNTERS = ("attempts", "admitted", "replayed", "commits", "aborts")
+
+
+def _listening(srv: HttpServer) -> dict[str, Any]:
+    """The line the server wrote once listening."""
+    return next(json.loads(x) for x in srv.lines if '"listening"' in x)
+
+
+def _counters(stats: dict[str, Any]) -> dict[str, int]:
+    """fence_stats' answer, as the console's series name its counters."""
+    prepare, events = stats["prepare"], stats["events"]
+    return {
+        "attempts": stats["attempts"],
+        "admitted": prepare["admitted"],
+        "replayed": prepare["replayed"],
+        "commits": events["commits"],
+        "aborts": events["aborts"],
+    }
+
+
+async def _sample_after(
+    http: httpx.AsyncClient, base: str, auth: dict[str, str], after: float
+) -> dict[str, Any]:
+    """The first sample the server's sampler took after ``after`` (its clock: time.time)."""
+    with anyio.fail_after(TIMEOUT):
+        while True:
+            r = await http.get(base + "/console/api/stats", headers=auth)
+            assert r.status_code == 200, r.text
+            data = r.json()
+            assert set(COUNTERS) <= set(data["series"])
+            later = [p for p in data["samples"] if p["t"] > after]
+            if later:
+                return later[0]
+            await anyio.sleep(0.2)
+
+
+async def test_console_is_not_mounted_without_the_flag(server: HttpServer) -> None:
+    async with httpx.AsyncClient(timeout=TIMEOUT) as http:
+        auth = {"Authorization": f"Bearer {TOKENS['alice']}"}
+        for path in ("/console", "/console/", "/console/api/stats", "/console/login"):
+            assert (await http.get(server.base + path, headers=auth)).status_code == 404, path
+            assert (await http.get(server.base + path)).status_code == 401, path
+        assert "console" not in _listening(server)
+
+
+async def test_console_on_the_server_needs_its_tokens(
+    operator_server: tuple[HttpServer, str],
+) -> None:
+    srv, _ = operator_server
+    console = srv.base + "/console"
+    assert _listening(srv)["console"] == console + "/"
+    async with httpx.AsyncClient(timeout=TIMEOUT) as http:
+        for auth in (None, "Bearer wrong-token-0123456789abcdef", f"Bearer {OTHER_SERVER_TOKEN}"):
+            headers = {} if auth is None else {"Authorization": auth}
+            for path in ("/api/stats", "/api/intents", "/api/intent?id=x"):
+                r = await http.get(console + path, headers=headers)
+                assert r.status_code == 401, (auth, path)
+            r = await http.post(console + "/api/clear", json={"intent": "x"}, headers=headers)
+            assert r.status_code == 401
+            r = await http.get(console + "/", headers=headers)
+            assert r.status_code == 303 and r.headers["location"] == "/console/login"
+        login = await http.get(console + "/login")
+        assert login.status_code == 200 and "action='/console/login'" in login.text
+        assert login.headers["content-security-policy"].startswith("default-src 'none'")
+        assert login.headers["x-content-type-options"] == "nosniff"
+        # the same hosts as /mcp; a login from another site's page is refused
+        r = await http.get(console + "/", headers={"Host": "evil.example"})
+        assert r.status_code == 421
+        form = {"Content-Type": "application/x-www-form-urlencoded"}
+        r = await http.post(
+            console + "/login",
+            content=f"token={TOKENS['bob']}",
+            headers={**form, "Origin": "http://evil.example"},
+        )
+        assert r.status_code == 403 and "set-cookie" not in r.headers
+        r = await http.post(console + "/login", content="token=not-a-token-000000", headers=form)
+        assert r.status_code == 401 and "set-cookie" not in r.headers
+        # a token logs the browser in: a session cookie for /console only
+        r = await http.post(console + "/login", content=f"token={TOKENS['bob']}", headers=form)
+        assert r.status_code == 303 and r.headers["location"] == "/console/"
+        cookie = r.headers["set-cookie"]
+        assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Path=/console" in cookie
+        session = {"Cookie": cookie.split(";")[0]}
+        page = await http.get(console + "/", headers=session)
+        assert page.status_code == 200 and "signed in as bob" in page.text
+        assert 'const BASE="/console"' in page.text
+        # the cookie is the console's: it opens nothing else
+        assert (await http.get(srv.base + "/metrics", headers=session)).status_code == 401
+        # bodies are bounded before anything reads them
+        big = {"Authorization": f"Bearer {TOKENS['bob']}", "Content-Type": "application/json"}
+        r = await http.post(console + "/api/clear", content=b"x" * (65 * 1024), headers=big)
+        assert r.status_code == 413
+
+
+async def test_console_charts_the_servers_fence_stats_and_clears_as_the_principal(
+    operator_server: tuple[HttpServer, str],
+) -> None:
+    """What the brief of the console on the server is: the counters fence_stats reports,
+    sampled while it runs, moving with real prepares and commits over MCP."""
+    srv, store = operator_server
+    auth = {"Authorization": f"Bearer {TOKENS['bob']}"}
+    fence = EffectFence.from_url(store, FenceConfig())
+    try:
+        async with (
+            http_session(srv.url, TOKENS["alice"]) as alice,
+            httpx.AsyncClient(timeout=TIMEOUT) as http,
+        ):
+            before = _counters(ok(await alice.call_tool("fence_stats", {})))
+            t = ok(await alice.call_tool("fence_prepare", req("chart:1")))["prepared"]
+            ok(await alice.call_tool("fence_commit", {"prepared": t, "result": {"ch": 1}}))
+            assert ok(await alice.call_tool("fence_prepare", req("chart:1")))["status"] == "replay"
+            t = ok(await alice.call_tool("fence_prepare", req("chart:2")))["prepared"]
+            ok(await alice.call_tool("fence_abort", {"prepared": t, "reason": "timeout"}))
+            stats = ok(await alice.call_tool("fence_stats", {}))
+            after = _counters(stats)
+            assert {k: after[k] - before[k] for k in COUNTERS} == {
+                "attempts": 3,
+                "admitted": 2,
+                "replayed": 1,
+                "commits": 1,
+                "aborts": 1,
+            }
+            point = await _sample_after(http, srv.base, auth, time.time())
+            assert {k: point[k] for k in COUNTERS} == after  # the very counters of fence_stats
+            assert point["failed"] >= 1
+
+            # the failed intent is listed, without its args; cleared with a reason by bob
+            listed = (await http.get(srv.base + "/console/api/intents", headers=auth)).json()
+            assert "chart:2" in {r["intent"] for r in listed["intents"]}
+            assert SECRET_ARG not in json.dumps(listed)
+            clear = {"intent": "chart:2", "reason": "the bank shows no charge"}
+            r = await http.post(srv.base + "/console/api/clear", json=clear, headers=auth)
+            assert r.status_code == 200, r.text
+            assert r.json()["audit"]["who"] == "bob (console)"
+            [entry] = fence.audit("chart:2")
+            assert (entry.who, entry.reason) == ("bob (console)", "the bank shows no charge")
+            assert ok(await alice.call_tool("fence_status", {"intent": "chart:2"}))["state"] == (
+                "absent"
+            )
+    finally:
+        fence.close()
+
+
+async def test_console_without_tokens_is_loopbacks_and_clears_only_with_allow_clear() -> None:
+    argv = [*SERVE, "--http", "127.0.0.1:0", "--console"]
+    with http_server(argv) as srv:
+        console = srv.base + "/console"
+        async with (
+            http_session(srv.url) as session,
+            httpx.AsyncClient(timeout=TIMEOUT) as http,
+        ):
+            assert "fence_clear" not in {t.name for t in (await session.list_tools()).tools}
+            t = ok(await session.call_tool("fence_prepare", req("look:1")))["prepared"]
+            ok(await session.call_tool("fence_abort", {"prepared": t}))
+            page = await http.get(console + "/intent?id=look%3A1")
+            assert page.status_code == 200 and "id=clear-off" in page.text
+            assert "id=clear-form" not in page.text and "effectfence intents clear" in page.text
+            csrf = page.text.split('"csrf": "')[1].split('"')[0]
+            r = await http.post(
+                console + "/api/clear",
+                json={"intent": "look:1", "reason": "done"},
+                headers={"X-EffectFence-CSRF": csrf},
+            )
+            assert r.status_code == 403 and r.json()["error"] == "clear_disabled"
+            status = ok(await session.call_tool("fence_status", {"intent": "look:1"}))
+            assert status["state"] == "failed"
 
 
 # -- transport security and bytes no client would send ---------------------------------------

@@ -18,7 +18,9 @@ from mcp_types import CallToolResult
 from support import FakeClock
 
 from effectfence import EffectFence, EffectRequest, FenceConfig
-from effectfence.mcp.server import build_server, main
+from effectfence.fence import MAX_CLEAR_TEXT
+from effectfence.mcp.server import STDIO_CLEARER, build_server, main
+from effectfence.operator.views import clear_view
 from effectfence.tickets import TicketSigner
 
 pytestmark = pytest.mark.anyio
@@ -122,11 +124,94 @@ async def test_list_tools_publishes_full_schemas_and_truthful_annotations() -> N
 
 async def test_fence_clear_is_registered_only_when_allowed() -> None:
     async with connect(build_server(allow_clear=True)) as client:
-        names = {t.name for t in (await client.list_tools()).tools}
-        assert names == TOOLS | {"fence_clear"}
+        tools = {t.name: t for t in (await client.list_tools()).tools}
+        assert set(tools) == TOOLS | {"fence_clear"}
+    clear = tools["fence_clear"]
+    schema = clear.input_schema
+    assert set(schema["required"]) == {"intent", "reason"}  # no clear without a reason
+    assert schema["properties"]["reason"]["maxLength"] == MAX_CLEAR_TEXT
+    force = schema["properties"]["force"]
+    assert force["type"] == "boolean" and force["default"] is False
+    answer = clear.output_schema["anyOf"][0]  # type: ignore[index]
+    assert {"audit_id", "who", "reason", "forced"} <= set(answer["properties"])
+    desc = clear.description or ""
+    assert "reason" in desc and "force" in desc and "intent_in_flight" in desc
+    assert clear.annotations.destructive_hint is True  # type: ignore[union-attr]
     async with connect(build_server()) as client:
-        result = await client.call_tool("fence_clear", {"intent": "x"})
+        result = await client.call_tool("fence_clear", {"intent": "x", "reason": "r"})
         assert result.is_error
+
+
+async def test_fence_clear_without_a_reason_is_refused_and_changes_nothing() -> None:
+    fence = EffectFence()
+    async with connect(build_server(fence, allow_clear=True)) as client:
+        ticket = ok(await prepare(client))["prepared"]
+        ok(await client.call_tool("fence_abort", {"prepared": ticket, "reason": "timeout"}))
+        before = snapshot(fence, "charge:1")
+        for arguments, field in (
+            ({"intent": "charge:1"}, "reason"),
+            ({"intent": "charge:1", "reason": ""}, "reason"),
+            ({"intent": "charge:1", "reason": " \t\n"}, "reason"),
+            ({"intent": "charge:1", "reason": 81}, "reason"),
+            ({"intent": "charge:1", "reason": None}, "reason"),
+            ({"intent": "charge:1", "reason": "x" * (MAX_CLEAR_TEXT + 1)}, "reason"),
+            ({"intent": "charge:1", "reason": "ok", "force": "yes"}, "force"),
+            ({"intent": "charge:1", "reason": "ok", "who": "someone else"}, "who"),
+        ):
+            result = await client.call_tool("fence_clear", arguments)
+            payload = refusal(result, "invalid_request")
+            assert field in payload["message"], (arguments, payload)
+            assert snapshot(fence, "charge:1") == before, arguments
+        assert fence.audit() == [], "a refused clear records nothing"
+        refusal(await prepare(client), "intent_failed")  # still fenced
+
+
+async def test_fence_clear_refuses_a_live_lease_unless_forced_and_records_who_and_why() -> None:
+    fence = EffectFence()
+    async with connect(build_server(fence, allow_clear=True)) as client:
+        held = ok(await prepare(client))
+        before = snapshot(fence, "charge:1")
+        arguments = {"intent": "charge:1", "reason": "looks stuck"}
+        payload = refusal(await client.call_tool("fence_clear", arguments), "intent_in_flight")
+        assert payload["details"]["holder"] == "agent-a" and "force" in payload["recover"]
+        assert payload["retryable"] is True
+        assert snapshot(fence, "charge:1") == before and fence.audit() == []
+        refusal(
+            await client.call_tool("fence_clear", {**arguments, "force": False}),
+            "intent_in_flight",
+        )
+        assert snapshot(fence, "charge:1") == before and fence.audit() == []
+
+        forced = ok(
+            await client.call_tool(
+                "fence_clear", {"intent": "charge:1", "reason": "its host is gone", "force": True}
+            )
+        )
+        [entry] = fence.audit("charge:1")
+        assert forced == clear_view("charge:1", entry)  # the answer is the recorded entry
+        assert forced["previous_state"] == "in_flight" and forced["forced"] is True
+        assert (entry.who, entry.reason, entry.forced) == (STDIO_CLEARER, "its host is gone", True)
+        assert entry.previous["holder"] == "agent-a" and entry.previous["token"] == held["token"]
+        assert fence.stats()["clears"] == 1
+        # the holder's ticket is powerless now; a retry runs afresh
+        refusal(
+            await client.call_tool("fence_commit", {"prepared": held["prepared"], "result": 1}),
+            "lease_lost",
+        )
+        again = ok(await prepare(client))
+        assert again["status"] == "fresh" and again["token"] > held["token"]
+        # force on a record that needs none (lapsed, done, failed) is not recorded as forced
+        ok(await client.call_tool("fence_commit", {"prepared": again["prepared"], "result": 2}))
+        done = ok(
+            await client.call_tool(
+                "fence_clear", {"intent": "charge:1", "reason": "re-run it", "force": True}
+            )
+        )
+        assert done["previous_state"] == "done" and done["forced"] is False
+        # nothing left: nothing cleared, nothing recorded
+        nothing = ok(await client.call_tool("fence_clear", {**arguments, "force": True}))
+        assert nothing == {"intent": "charge:1", "cleared": False, "previous_state": "absent"}
+        assert [e.reason for e in fence.audit("charge:1")] == ["its host is gone", "re-run it"]
 
 
 # -- the protocol ---------------------------------------------------------------------------
@@ -237,8 +322,13 @@ async def test_abort_fences_the_intent_until_an_operator_clears_it() -> None:
             await client.call_tool("fence_commit", {"prepared": ticket, "result": 1}), "lease_lost"
         )
         assert snapshot(fence, "charge:1") == before
-        cleared = ok(await client.call_tool("fence_clear", {"intent": "charge:1"}))
-        assert cleared == {"intent": "charge:1", "cleared": True, "previous_state": "failed"}
+        cleared = ok(
+            await client.call_tool("fence_clear", {"intent": "charge:1", "reason": "no charge"})
+        )
+        [entry] = fence.audit("charge:1")
+        assert cleared == clear_view("charge:1", entry)  # the answer is the recorded entry
+        assert cleared["previous_state"] == "failed" and cleared["audit_id"] == entry.id
+        assert (entry.who, entry.reason, entry.forced) == (STDIO_CLEARER, "no charge", False)
         assert ok(await prepare(client))["status"] == "fresh"
 
 
@@ -595,7 +685,16 @@ def test_serve_refuses_unknown_stores_without_echoing_credentials(
     assert "hunter2" not in err
 
 
-@pytest.mark.parametrize("argv", [["--lease-ttl", "0"], ["--result-ttl", "-5"], ["--bogus"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--lease-ttl", "0"],
+        ["--result-ttl", "-5"],
+        ["--bogus"],
+        ["--console"],  # the console is mounted on the HTTP server only
+        ["--http", "0", "--show-payload"],  # payloads are the console's, and only with it
+    ],
+)
 def test_serve_refuses_bad_options(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(argv)

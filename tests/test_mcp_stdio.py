@@ -158,9 +158,17 @@ async def test_stdio_allow_clear_by_flag_or_environment() -> None:
         names = {t.name for t in (await s.list_tools()).tools}
         assert "fence_clear" in names
         t = ok(await s.call_tool("fence_prepare", req()))["prepared"]
+        # a live lease: refused without force, and a clear always needs a reason
+        live = await s.call_tool("fence_clear", {"intent": "charge:1", "reason": "stuck?"})
+        assert code(live) == "intent_in_flight"
+        assert code(await s.call_tool("fence_clear", {"intent": "charge:1"})) == ("invalid_request")
         ok(await s.call_tool("fence_abort", {"prepared": t}))
-        cleared = ok(await s.call_tool("fence_clear", {"intent": "charge:1"}))
+        cleared = ok(
+            await s.call_tool("fence_clear", {"intent": "charge:1", "reason": "never charged"})
+        )
         assert cleared["cleared"] is True and cleared["previous_state"] == "failed"
+        assert cleared["who"] == "mcp client (stdio)" and cleared["reason"] == "never charged"
+        assert cleared["forced"] is False and cleared["audit_id"] >= 1
         assert ok(await s.call_tool("fence_prepare", req()))["status"] == "fresh"
     async with serve(EFFECTFENCE_ALLOW_CLEAR="1") as s:
         assert "fence_clear" in {t.name for t in (await s.list_tools()).tools}

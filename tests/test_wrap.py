@@ -185,10 +185,25 @@ async def test_child_error_releases_crash_and_cancel_fence(tmp_path: Path) -> No
             "effectfence_status_2", {"tool": "crash", "arguments": {"order_id": "1"}}
         )
         assert status["structuredContent"]["state"] == "failed"
+        listed = await client.request("tools/list", {}, timeout=TIMEOUT)
+        [clear_tool] = [t for t in listed["tools"] if t["name"] == "effectfence_clear"]
+        assert clear_tool["inputSchema"]["required"] == ["reason"]
+        assert clear_tool["inputSchema"]["properties"]["force"]["type"] == "boolean"
+        target = {"tool": "crash", "arguments": {"order_id": "1"}}
+        for bad in ({}, {"reason": ""}, {"reason": "  "}, {"reason": "ok", "force": "yes"}):
+            refused = await client.call_tool("effectfence_clear", {**target, **bad})
+            assert refused.get("isError") is True and "invalid_request" in text(refused), bad
+            assert marker(refused)["refused"] == "invalid_request"  # type: ignore[index]
+            assert refused["structuredContent"]["code"] == "invalid_request"
+        status = await client.call_tool("effectfence_status_2", target)
+        assert status["structuredContent"]["state"] == "failed"  # a refused clear: no trace
         cleared = await client.call_tool(
-            "effectfence_clear", {"tool": "crash", "arguments": {"order_id": "1"}}
+            "effectfence_clear", {**target, "reason": "checked the gateway: never charged"}
         )
-        assert cleared["structuredContent"]["cleared"] is True
+        out = cleared["structuredContent"]
+        assert out["cleared"] is True and out["previous_state"] == "failed"
+        assert out["reason"] == "checked the gateway: never charged" and out["forced"] is False
+        assert out["who"] == "wrap-test (mcp, wrap)" and out["audit_id"] >= 1
         await client.call_tool("crash", {"order_id": "1"}, timeout=TIMEOUT)
         assert len(ledger(lg, "crash")) == 2  # cleared by the operator: it ran again
 
@@ -201,13 +216,41 @@ async def test_child_error_releases_crash_and_cancel_fence(tmp_path: Path) -> No
                 for n in client.notifications
             ):
                 await asyncio.sleep(0.02)
-        client.notify("notifications/cancelled", {"requestId": client._next, "reason": "user"})
+        slow_id = client._next  # the slow call's request id: the last one sent
+        # it runs under a live lease: a clear is refused unless forced, and changes nothing
+        running = {"tool": "slow", "arguments": {"order_id": "3"}, "reason": "stuck?"}
+        refused = await client.call_tool("effectfence_clear", running)
+        assert marker(refused)["refused"] == "intent_in_flight"  # type: ignore[index]
+        assert "force" in refused["structuredContent"]["recover"]
+        status = await client.call_tool("effectfence_status_2", running)
+        assert status["structuredContent"]["state"] == "in_flight"
+        client.notify("notifications/cancelled", {"requestId": slow_id, "reason": "user"})
         await asyncio.sleep(0)
         twin = await client.call_tool("slow", {"order_id": "3"}, timeout=TIMEOUT)
         assert marker(twin)["refused"] in ("intent_failed",)  # type: ignore[index]
         assert not slow.done()  # a cancelled request gets no answer (MCP)
         slow.cancel()
         assert len(ledger(lg, "slow")) == 1
+
+        # force clears a live lease, recorded as forced; the holder's later abort is refused
+        params = {"name": "slow", "arguments": {"order_id": "4"}, "_meta": {"progressToken": 4}}
+        slow = asyncio.ensure_future(client.request("tools/call", params, timeout=TIMEOUT))
+        async with asyncio.timeout(TIMEOUT):
+            while not any(
+                n.get("params", {}).get("progressToken") == 4 for n in client.notifications
+            ):
+                await asyncio.sleep(0.02)
+        slow_id = client._next
+        running = {"tool": "slow", "arguments": {"order_id": "4"}, "reason": "host rebooted"}
+        forced = await client.call_tool("effectfence_clear", {**running, "force": True})
+        out = forced["structuredContent"]
+        assert out["cleared"] is True and out["forced"] is True
+        assert out["previous_state"] == "in_flight" and out["reason"] == "host rebooted"
+        client.notify("notifications/cancelled", {"requestId": slow_id, "reason": "user"})
+        slow.cancel()
+        status = await client.call_tool("effectfence_status_2", running)
+        assert status["structuredContent"]["state"] == "absent"  # the lease lost: no fence
+        assert len(ledger(lg, "slow")) == 2
     finally:
         await client.close()
 

@@ -4,8 +4,10 @@ The path of a request::
 
     client ── uvicorn ── _Gate ──────────────────── the SDK's Starlette app ── the tools
                           │ /healthz  (no token: is the store reachable?)    /mcp: DNS-rebinding
-                          │ bearer token -> principal, else 401                protection, body
-                          │ /metrics  (Prometheus text)                        limit, sessions
+                          │ /console/ (with --console: the operator's page,    protection, body
+                          │           which checks the same tokens itself)     limit, sessions
+                          │ bearer token -> principal, else 401
+                          │ /metrics  (Prometheus text)
                           └ the principal rides in the ASGI scope (PRINCIPAL_SCOPE_KEY)
 
 Rules, each enforced here and nowhere else:
@@ -21,6 +23,14 @@ Rules, each enforced here and nowhere else:
 
 The principal is the certificate's agent (:mod:`effectfence.mcp.server` reads it from the
 scope); tokens are compared by their SHA-256, so the file may hold hashes instead.
+
+The console (``serve --http --console``) is :class:`effectfence.operator.console.Console`
+mounted at ``/console``: the same fence (so its chart has the counters ``fence_stats``
+reports, which only this process has), the same principals (a browser logs in once with a
+token and gets a session cookie; a script sends the bearer token), the same hosts. Its own
+rules hold there as on ``effectfence console``: Host check, CSRF on the clear, no args or
+results without ``--show-payload``. It clears only with ``--allow-clear``: the console gives
+no one a power the server's tools do not.
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ import stat
 import sys
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from mcp.server import MCPServer
@@ -46,12 +56,17 @@ from effectfence.fence import EffectFence
 from effectfence.mcp.server import PRINCIPAL_SCOPE_KEY
 from effectfence.mcp.telemetry import Metrics
 
+if TYPE_CHECKING:
+    from effectfence.operator.console import Console
+
 __all__ = [
+    "CONSOLE_PATH",
     "HEALTH_PATH",
     "MCP_PATH",
     "METRICS_PATH",
     "Principals",
     "check_exposure",
+    "console_for",
     "is_loopback",
     "parse_bind",
     "serve_http",
@@ -60,6 +75,7 @@ __all__ = [
 MCP_PATH = "/mcp"
 HEALTH_PATH = "/healthz"
 METRICS_PATH = "/metrics"
+CONSOLE_PATH = "/console"
 DEFAULT_HOST = "127.0.0.1"
 #: a plain token shorter than this is refused: it could be guessed
 MIN_TOKEN_LENGTH = 16
@@ -248,6 +264,7 @@ class _Gate:
         metrics: Metrics,
         principals: Principals | None,
         security: TransportSecuritySettings,
+        console: Console | None = None,
     ) -> None:
         self.app = app
         self.fence = fence
@@ -255,19 +272,26 @@ class _Gate:
         self.principals = principals
         self.security = TransportSecurityMiddleware(security)
         self.offload = fence.store.name != "memory"
+        self.console = console
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)  # lifespan
             return
         path = scope["path"]
-        if path in (HEALTH_PATH, METRICS_PATH):
+        console = self.console is not None and (
+            path == CONSOLE_PATH or path.startswith(CONSOLE_PATH + "/")
+        )
+        if console or path in (HEALTH_PATH, METRICS_PATH):
             refused = await self.security.validate_request(Request(scope), is_post=False)
             if refused is not None:
                 await refused(scope, receive, send)
                 return
         if path == HEALTH_PATH:
             await self._health(send)
+            return
+        if console:  # it authenticates by the same tokens itself, or a session cookie
+            await self._console(scope, receive, send)
             return
         if self.principals is not None:
             headers = dict(scope["headers"])
@@ -310,6 +334,42 @@ class _Gate:
             return
         await _respond(send, 200, _json({"ok": True, "store": self.fence.store.name}))
 
+    async def _console(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """One request of the console: its body read (bounded), then ``Console.handle`` in a
+        worker thread (it reads the store), its answer sent with the console's headers."""
+        from effectfence.operator.console import MAX_BODY, SECURITY_HEADERS
+
+        assert self.console is not None
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        too_large = _json({"error": "too_large", "limit": MAX_BODY})
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_BODY:
+            await _respond(send, 413, too_large)
+            return
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            body += message.get("body", b"")
+            if len(body) > MAX_BODY:
+                await _respond(send, 413, too_large)
+                return
+            if not message.get("more_body", False):
+                break
+        raw = scope.get("raw_path") or scope["path"].encode()
+        query = scope.get("query_string", b"")
+        target = (raw + (b"?" + query if query else b"")).decode("latin-1")
+        status, ctype, data, extra = await anyio.to_thread.run_sync(
+            self.console.handle, scope["method"], target, headers, bytes(body)
+        )
+        out = [
+            (k.lower().encode(), v.encode("latin-1"))
+            for k, v in (*SECURITY_HEADERS, *extra)
+            if k.lower() != "cache-control"  # _respond says no-store itself
+        ]
+        await _respond(send, status, data, ctype, headers=out)
+
     async def _metrics(self, send: Send) -> None:
         if self.offload:
             stats = await anyio.to_thread.run_sync(self.fence.stats)
@@ -327,14 +387,51 @@ def build_app(
     host: str,
     principals: Principals | None,
     allowed_hosts: Iterable[str] = (),
+    console: Console | None = None,
 ) -> ASGIApp:
-    """The ASGI app ``serve_http`` runs: the gate around the SDK's streamable HTTP app."""
+    """The ASGI app ``serve_http`` runs: the gate around the SDK's streamable HTTP app, and
+    ``console`` (see :func:`console_for`) at ``/console`` if given."""
     check_exposure(host, principals)
+    allowed_hosts = tuple(allowed_hosts)
     security = security_settings(host, allowed_hosts)
     app = server.streamable_http_app(
         streamable_http_path=MCP_PATH, transport_security=security, host=host
     )
-    return _Gate(app, fence=fence, metrics=metrics, principals=principals, security=security)
+    return _Gate(
+        app,
+        fence=fence,
+        metrics=metrics,
+        principals=principals,
+        security=security,
+        console=console,
+    )
+
+
+def console_for(
+    fence: EffectFence,
+    *,
+    host: str,
+    principals: Principals | None,
+    allowed_hosts: Iterable[str] = (),
+    allow_clear: bool = False,
+    show_payload: bool = False,
+    store_label: str = "",
+) -> Console:
+    """The console ``serve --http --console`` mounts: this server's fence, as the store to
+    show and as the counters to chart; its principals and hosts; clearing as ``--allow-clear``
+    says."""
+    from effectfence.operator.console import Console, allowed_names
+
+    return Console(
+        fence,
+        principals=principals,
+        show_payload=show_payload,
+        stats_fence=fence,
+        store_label=store_label,
+        allowed_hosts=allowed_names(host, allowed_hosts),
+        base=CONSOLE_PATH,
+        allow_clear=allow_clear,
+    )
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -366,13 +463,21 @@ async def serve_http(
     port: int = 0,
     principals: Principals | None = None,
     allowed_hosts: Iterable[str] = (),
+    console: Console | None = None,
 ) -> None:
     """Serve until interrupted. Once the socket listens, one JSON line on stderr says where
-    (``{"event": "listening", "url": ...}``; with port 0 it names the port picked)."""
+    (``{"event": "listening", "url": ...}``; with port 0 it names the port picked). With a
+    ``console``, it is served at ``/console`` and sampled while the server runs."""
     import uvicorn
 
     app = build_app(
-        server, fence, metrics, host=host, principals=principals, allowed_hosts=allowed_hosts
+        server,
+        fence,
+        metrics,
+        host=host,
+        principals=principals,
+        allowed_hosts=allowed_hosts,
+        console=console,
     )
     sock = listen_socket(host, port)
     bound = sock.getsockname()[1]
@@ -385,6 +490,8 @@ async def serve_http(
         "authentication": "bearer" if principals is not None else "none (loopback only)",
         "store": fence.store.name,
     }
+    if console is not None:
+        line["console"] = f"http://{shown}:{bound}{CONSOLE_PATH}/"
     print(json.dumps(line), file=sys.stderr, flush=True)
     config = uvicorn.Config(
         app,
@@ -394,4 +501,13 @@ async def serve_http(
         server_header=False,
         timeout_graceful_shutdown=3,
     )
-    await uvicorn.Server(config).serve(sockets=[sock])
+    sampler = None
+    if console is not None:
+        from effectfence.operator.console import Sampler
+
+        sampler = Sampler(console).start()
+    try:
+        await uvicorn.Server(config).serve(sockets=[sock])
+    finally:
+        if sampler is not None:
+            sampler.stop()

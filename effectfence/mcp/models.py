@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictInt, StrictStr, WithJsonSchema
 
 from effectfence.cert import CERT_FORMAT
+from effectfence.fence import MAX_CLEAR_TEXT
 from effectfence.model import MAX_CLOCK_AGENTS, MAX_NAME_LENGTH, MAX_READ_SET
 
 __all__ = [
@@ -384,12 +385,42 @@ class VerifyOutput(_Output):
 
 
 class ClearInput(_Input):
-    """Operator reconcile: forget one intent, whatever its state."""
+    """Operator reconcile: forget one intent, recorded with who cleared it and why."""
 
     intent: _Name = Field(description="The intent to clear.")
+    reason: str = Field(
+        min_length=1,
+        max_length=MAX_CLEAR_TEXT,
+        pattern=r"\S",
+        description="Why it is cleared, e.g. what you found downstream ('refunded by hand, "
+        "ticket #81'). Required; recorded in the store's audit trail with who cleared it.",
+    )
+    force: bool = Field(
+        default=False,
+        description="Clear even an intent in flight under a live lease. Its holder may be "
+        "running the effect right now: force only once you know it is not. Without it such "
+        "a clear is refused intent_in_flight.",
+    )
 
 
 class ClearOutput(_Output):
+    """What was cleared, and the audit entry that records it (absent when nothing was)."""
+
     intent: str = Field(description="The intent.")
     cleared: bool = Field(description="True if there was a record to clear.")
     previous_state: str = Field(description="Its state before clearing.")
+    audit_id: Annotated[int | None, WithJsonSchema({"type": "integer"})] = Field(
+        default=None, description="cleared only: the id of the audit entry recording it."
+    )
+    who: Annotated[str | None, WithJsonSchema({"type": "string"})] = Field(
+        default=None,
+        description="cleared only: who the audit trail names: your principal over "
+        "authenticated HTTP, else the transport.",
+    )
+    reason: Annotated[str | None, WithJsonSchema({"type": "string"})] = Field(
+        default=None, description="cleared only: the recorded reason."
+    )
+    forced: Annotated[bool | None, WithJsonSchema({"type": "boolean"})] = Field(
+        default=None,
+        description="cleared only: true if force cleared a live lease (recorded as forced).",
+    )

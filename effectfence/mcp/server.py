@@ -92,15 +92,19 @@ from effectfence.mcp.models import (
 )
 from effectfence.mcp.telemetry import Decision, Metrics, configure_logging
 from effectfence.model import PreparedEffect
+from effectfence.operator.views import clear_view
 from effectfence.store import STORE_ENV, default_store_url
 from effectfence.tickets import TICKET_KEY_ENV, TicketSigner
 
 __all__ = [
     "ALLOW_CLEAR_ENV",
+    "HTTP_CLEARER",
     "PRINCIPAL_SCOPE_KEY",
     "SERVER_NAME",
+    "STDIO_CLEARER",
     "STORE_ENV",
     "build_server",
+    "clearer",
     "main",
     "open_fence",
 ]
@@ -111,6 +115,10 @@ _MEMORY_STORES = ("memory", "memory:", "memory://")
 _MAX_REPORTED_ERRORS = 20
 #: where the HTTP gate puts the authenticated principal in the ASGI scope of a request
 PRINCIPAL_SCOPE_KEY = "effectfence.principal"
+#: who fence_clear records when no token names the caller: over stdio (or in memory), and
+#: over HTTP on loopback without a tokens file
+STDIO_CLEARER = "mcp client (stdio)"
+HTTP_CLEARER = "mcp client (http, no token)"
 
 _In = TypeVar("_In", bound=BaseModel)
 
@@ -187,9 +195,14 @@ replay returned it) or `chain` (certificates in order; each parent must be the p
 ok=false names what failed. Read-only; runs nothing."""
 
 _CLEAR_DESC = """\
-OPERATOR ONLY. Forget one intent whatever its state (in flight, done, failed), so a later
-fence_prepare answers "fresh" again. Use only after reconciling downstream what actually
-happened: clearing a done or failed intent lets its effect run again."""
+OPERATOR ONLY. Forget one intent (done, failed, or in flight), so a later fence_prepare
+answers "fresh" again. Use only after reconciling downstream what actually happened:
+clearing a done or failed intent lets its effect run again. `reason` is required (what you
+found, e.g. 'refunded by hand, ticket #81') and is recorded in the store's audit trail with
+who cleared it (your principal over authenticated HTTP). An intent in flight under a live
+lease is refused intent_in_flight: its holder may be running the effect right now; pass
+force=true only once you know it is not (recorded as forced). Answers the audit entry's
+id, who, reason and forced; cleared=false if the intent had no record."""
 
 
 class _RawArguments(FuncMetadata):
@@ -263,9 +276,9 @@ def _output_schema(model: type[BaseModel]) -> dict[str, Any]:
     return schema
 
 
-def _principal(ctx: Context[Any, Any] | None) -> str | None:
-    """The principal the HTTP gate authenticated for this request; None over stdio, in
-    memory, or when called directly (no request)."""
+def _request_scope(ctx: Context[Any, Any] | None) -> dict[str, Any] | None:
+    """The ASGI scope of the HTTP request behind this call; None over stdio, in memory, or
+    when called directly (no request)."""
     if ctx is None:
         return None
     try:
@@ -273,10 +286,28 @@ def _principal(ctx: Context[Any, Any] | None) -> str | None:
     except ValueError:  # no request context: a direct call
         return None
     scope = getattr(request, "scope", None)
-    if not isinstance(scope, dict):
-        return None
-    principal = scope.get(PRINCIPAL_SCOPE_KEY)
-    return principal if isinstance(principal, str) else None
+    return scope if isinstance(scope, dict) else None
+
+
+def _decision(tool: str, ctx: Context[Any, Any] | None) -> Decision:
+    """A call's :class:`Decision`: the principal the HTTP gate authenticated for this
+    request (None without one), and whether it came over HTTP."""
+    scope = _request_scope(ctx)
+    principal = None if scope is None else scope.get(PRINCIPAL_SCOPE_KEY)
+    d = Decision(tool, principal if isinstance(principal, str) else None)
+    d.transport = "stdio" if scope is None else "http"
+    return d
+
+
+def clearer(d: Decision) -> str:
+    """Who ``fence_clear`` records in the audit trail: the token's principal over
+    authenticated HTTP, else the transport (no one is named there). "(mcp)" says where
+    the clear came from, as the console's entries say "(console)"."""
+    if d.principal is not None:
+        return f"{d.principal} (mcp)"
+    if d.transport == "http":
+        return HTTP_CLEARER
+    return STDIO_CLEARER
 
 
 _Op = Callable[[_In, Decision], CallToolResult]
@@ -301,7 +332,7 @@ def _tool(
     offload = tools.offload
 
     async def run(arguments: dict[str, Any], ctx: Context[Any, Any] | None = None) -> Any:
-        decision = Decision(name, _principal(ctx))
+        decision = _decision(name, ctx)
         try:
             try:
                 request = input_model.model_validate(arguments)
@@ -615,14 +646,21 @@ class _FenceTools:
         d.intent = req.intent
         t0 = time.perf_counter()
         try:
-            previous = self.fence.intent_status(req.intent).state
-            cleared = self.fence.clear_intent(req.intent)
+            entry = self.fence.clear(req.intent, reason=req.reason, who=clearer(d), force=req.force)
         finally:
             d.latency = time.perf_counter() - t0
-        d.outcome = "cleared" if cleared else "absent"
-        out = ClearOutput(intent=req.intent, cleared=cleared, previous_state=previous)
-        verb = "CLEARED" if cleared else "NOTHING TO CLEAR"
-        return _ok(out, f"{verb}: {req.intent!r} (was {previous}).")
+        out = ClearOutput.model_validate(clear_view(req.intent, entry))
+        if entry is None:
+            d.outcome = "absent"
+            return _ok(out, f"NOTHING TO CLEAR: {req.intent!r} has no record.")
+        d.outcome = "cleared"
+        d.domain, d.token = entry.previous.get("domain"), entry.previous.get("token")
+        forced = " (forced)" if entry.forced else ""
+        return _ok(
+            out,
+            f"CLEARED{forced}: {req.intent!r} (was {out.previous_state}); audit entry "
+            f"#{entry.id} records {entry.who} and the reason.",
+        )
 
     async def sweep_forever(self) -> None:
         """Reclaim expired records while the server idles (prepare also sweeps on its way)."""
@@ -862,6 +900,18 @@ def main(argv: list[str] | None = None) -> int:
         "loopback names and the bound address otherwise); repeatable",
     )
     parser.add_argument(
+        "--console",
+        action="store_true",
+        help="HTTP: serve the operator's console at /console/ on the same server (behind the "
+        "same tokens: a browser logs in with one), charting this server's fence_stats "
+        "counters; it clears intents only with --allow-clear",
+    )
+    parser.add_argument(
+        "--show-payload",
+        action="store_true",
+        help="console: show intents' args and results (they may hold personal data)",
+    )
+    parser.add_argument(
         "--log-level",
         choices=["off", "debug", "info", "warning"],
         default=None,
@@ -881,11 +931,14 @@ def main(argv: list[str] | None = None) -> int:
             http.check_exposure(bind[0], principals)
         except ValueError as exc:
             parser.error(str(exc))
-    elif args.tokens is not None or args.allow_host:
-        parser.error("--tokens and --allow-host apply to --http only")
+    elif args.tokens is not None or args.allow_host or args.console:
+        parser.error("--tokens, --allow-host and --console apply to --http only")
+    if args.show_payload and not args.console:
+        parser.error("--show-payload applies to --console only")
+    store_url = args.store or default_store_url()
     try:
         config = FenceConfig(lease_ttl=args.lease_ttl, result_ttl=args.result_ttl)
-        fence = open_fence(args.store or default_store_url(), config)
+        fence = open_fence(store_url, config)
         signer = TicketSigner.for_store(fence.store)
     except ValueError as exc:
         hint = f" (check {TICKET_KEY_ENV})" if "key" in str(exc) else ""
@@ -904,7 +957,19 @@ def main(argv: list[str] | None = None) -> int:
             server.run("stdio")
         else:
             from effectfence.mcp import http
+            from effectfence.store import redact
 
+            console = None
+            if args.console:
+                console = http.console_for(
+                    fence,
+                    host=bind[0],
+                    principals=principals,
+                    allowed_hosts=args.allow_host,
+                    allow_clear=args.allow_clear,
+                    show_payload=args.show_payload,
+                    store_label=redact(store_url),
+                )
             anyio.run(
                 lambda: http.serve_http(
                     server,
@@ -914,6 +979,7 @@ def main(argv: list[str] | None = None) -> int:
                     port=bind[1],
                     principals=principals,
                     allowed_hosts=args.allow_host,
+                    console=console,
                 )
             )
     except KeyboardInterrupt:

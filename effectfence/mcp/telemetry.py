@@ -60,11 +60,22 @@ LATENCY_BUCKETS = (
 class Decision:
     """One tool call as the operator sees it. Filled in by the tool, logged by the server."""
 
-    __slots__ = ("domain", "intent", "latency", "outcome", "principal", "token", "tool")
+    __slots__ = (
+        "domain",
+        "intent",
+        "latency",
+        "outcome",
+        "principal",
+        "token",
+        "tool",
+        "transport",
+    )
 
     def __init__(self, tool: str, principal: str | None) -> None:
         self.tool = tool
         self.principal = principal
+        #: "http" or "stdio" (stdio also stands for in memory and direct calls)
+        self.transport = "stdio"
         self.intent: str | None = None
         self.domain: str | None = None
         self.token: int | None = None

@@ -26,7 +26,9 @@ Rules, each enforced here and nowhere else:
 Counters: the store holds records, not the servers' in-process counters, so the chart
 samples what the store shows (in flight, failed, clears) and, when the console runs with a
 fence in the same process (:func:`serve`'s ``stats_fence``), that fence's ``stats()``:
-the counters ``fence_stats`` reports.
+the counters ``fence_stats`` reports. ``effectfence serve --http --console`` is that case:
+the MCP server mounts a :class:`Console` at ``/console`` (``base``) on its own fence, with
+its own tokens and hosts (:mod:`effectfence.mcp.http`); :class:`Sampler` samples for both.
 """
 
 from __future__ import annotations
@@ -41,18 +43,27 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, quote, urlsplit
 
-from effectfence.errors import InvalidRequest, Refusal, StoreUnavailable
+from effectfence.errors import CLEAR_COMMAND, InvalidRequest, Refusal, StoreUnavailable
 from effectfence.fence import EffectFence
 from effectfence.operator.trail import TrailNotKept, check_trail, read_trail
 from effectfence.operator.views import entry_view, intent_view, list_intents, open_fence, whoami
 
-__all__ = ["Console", "ConsoleServer", "check_bind", "main", "serve"]
+__all__ = [
+    "SECURITY_HEADERS",
+    "Console",
+    "ConsoleServer",
+    "Sampler",
+    "allowed_names",
+    "check_bind",
+    "main",
+    "serve",
+]
 
 COOKIE = "effectfence_console"
 CSRF_HEADER = "X-EffectFence-CSRF"
@@ -91,8 +102,26 @@ def check_bind(host: str, principals: Any) -> None:
         )
 
 
+def allowed_names(host: str, extra: Iterable[str] = ()) -> tuple[str, ...]:
+    """The Host names (no ports) a console bound to ``host`` answers besides the loopback
+    names: the bound address unless it is loopback or a wildcard, and the ``extra`` hosts
+    (``name``, ``name:port`` or ``[v6]:port``)."""
+    names = [] if is_loopback(host) or host in ("0.0.0.0", "::") else [host]
+    for h in extra:
+        if h.startswith("["):
+            names.append(h[: h.find("]") + 1] or h)
+        else:
+            names.append(h.split(":")[0] if h.count(":") == 1 else h)
+    return tuple(names)
+
+
 class Console:
-    """The application: routes in, (status, content type, body, headers) out. No sockets."""
+    """The application: routes in, (status, content type, body, headers) out. No sockets.
+
+    ``base`` is the path it is mounted under ("" at the root, ``/console`` on ``serve
+    --http --console``): every route answers below it, and every link, fetch, redirect,
+    form and cookie names it. ``allow_clear`` False makes it look-only: the clear is
+    refused 403 and the page says how an operator clears instead."""
 
     def __init__(
         self,
@@ -104,7 +133,13 @@ class Console:
         stats_fence: EffectFence | None = None,
         store_label: str = "",
         allowed_hosts: tuple[str, ...] = (),
+        base: str = "",
+        allow_clear: bool = True,
     ) -> None:
+        if base and (not base.startswith("/") or base.endswith("/")):
+            raise ValueError(f"a console's base path is '' or /name, not {base!r}")
+        self.base = base
+        self.allow_clear = allow_clear
         self.fence = fence
         self.principals = principals
         self.show_payload = show_payload
@@ -170,6 +205,13 @@ class Console:
             return _text(421, "unknown Host: this console answers its own names only")
         url = urlsplit(target)
         path, query = url.path, parse_qs(url.query)
+        if self.base:
+            if path == self.base:
+                path = "/"
+            elif path.startswith(self.base + "/"):
+                path = path[len(self.base) :]
+            else:
+                return _json(404, {"error": "not_found"})
         if path == "/healthz":
             return _json(200, {"ok": True})
         if path == "/login" and self.principals is not None:
@@ -177,7 +219,7 @@ class Console:
         session = self._session(headers)
         if session is None:
             if method == "GET" and not path.startswith("/api/"):
-                return 303, "text/plain", b"", [("Location", "/login")]
+                return 303, "text/plain", b"", [("Location", f"{self.base}/login")]
             return _json(401, {"error": "unauthorized", "message": "log in, or send a token"})
         try:
             if method == "GET" and path == "/":
@@ -209,22 +251,22 @@ class Console:
                 cookie = secrets.token_urlsafe(32)
                 with self._lock:
                     self._sessions[cookie] = (name, secrets.token_urlsafe(24))
-                attrs = "HttpOnly; SameSite=Strict; Path=/"
+                attrs = f"HttpOnly; SameSite=Strict; Path={self.base or '/'}"
                 return (
                     303,
                     "text/plain",
                     b"",
                     [
-                        ("Location", "/"),
+                        ("Location", f"{self.base}/"),
                         ("Set-Cookie", f"{COOKIE}={cookie}; {attrs}"),
                     ],
                 )
         form = (
-            "<h1>effectfence console</h1><form method=post action=/login>"
+            f"<h1>effectfence console</h1><form method=post action='{_e(self.base)}/login'>"
             "<label>token <input type=password name=token autocomplete=off required></label> "
             "<button>log in</button></form>"
         )
-        return _html(401 if method == "POST" else 200, _page("log in", form, ""))
+        return _html(401 if method == "POST" else 200, self._page("log in", form, ""))
 
     # -- data -------------------------------------------------------------------------------
     def api_intents(self) -> dict[str, Any]:
@@ -256,6 +298,8 @@ class Console:
         self, headers: dict[str, str], body: bytes, session: tuple[str, str]
     ) -> tuple[int, str, bytes, list[tuple[str, str]]]:
         who, csrf = session
+        if not self.allow_clear:
+            return _json(403, {"error": "clear_disabled", "message": _CLEAR_OFF})
         if csrf and (
             not secrets.compare_digest(headers.get(CSRF_HEADER.lower(), ""), csrf)
             or not _same_origin(headers)
@@ -288,14 +332,14 @@ class Console:
             "<h2>In flight and failed</h2>"
             "<table id=intents><thead><tr><th>intent</th><th>state</th><th>domain</th>"
             "<th>holder</th><th>token</th><th>age</th><th>detail</th></tr></thead>"
-            f"<tbody>{_intent_rows(data['intents'])}</tbody></table>"
+            f"<tbody>{_intent_rows(data['intents'], self.base)}</tbody></table>"
             "<h2>Counters</h2><svg id=chart width=720 height=220 role=img "
             "aria-label='counters over time'></svg><div id=legend></div>"
             "<h2>Audit</h2><table id=audit><thead><tr><th>#</th><th>when</th><th>intent</th>"
             "<th>who</th><th>was</th><th>reason</th></tr></thead>"
             f"<tbody>{_audit_rows(data['audit'])}</tbody></table>"
         )
-        return _page("effectfence console", body, _INDEX_JS)
+        return self._page("effectfence console", body, _INDEX_JS)
 
     def page_intent(self, intent: str, session: tuple[str, str]) -> str:
         v = self.api_intent(intent)
@@ -305,7 +349,10 @@ class Console:
             for k, val in v.items()
             if k not in skip and val is not None
         )
-        parts = [f"<p><a href='/'>&larr; all intents</a></p><h1>{_e(intent)}</h1><dl>{facts}</dl>"]
+        parts = [
+            f"<p><a href='{_e(self.base)}/'>&larr; all intents</a></p><h1>{_e(intent)}</h1>"
+            f"<dl>{facts}</dl>"
+        ]
         cert = v.get("cert")
         if cert:
             rows = "".join(
@@ -330,7 +377,9 @@ class Console:
             f"<th>who</th><th>was</th><th>reason</th></tr></thead><tbody>"
             f"{_audit_rows(list(reversed(v['audit'])))}</tbody></table>"
         )
-        if v["state"] != "absent":
+        if v["state"] != "absent" and not self.allow_clear:
+            parts.append(f"<h2>Clear</h2><p id=clear-off>{_e(_CLEAR_OFF)}</p>")
+        elif v["state"] != "absent":
             force = (
                 "<label><input type=checkbox id=force> force: its holder's lease is live; "
                 "clear only if you know it is not running</label><br>"
@@ -345,7 +394,14 @@ class Console:
             )
         csrf = session[1]
         data = json.dumps({"intent": intent, "csrf": csrf, "header": CSRF_HEADER})
-        return _page(intent, "".join(parts), _INTENT_JS.replace("__DATA__", _script_json(data)))
+        return self._page(
+            intent, "".join(parts), _INTENT_JS.replace("__DATA__", _script_json(data))
+        )
+
+    def _page(self, title: str, body: str, script: str) -> str:
+        """A whole page; its script knows the base path as BASE."""
+        base = f"const BASE={_script_json(json.dumps(self.base))};"
+        return _page(title, body, base + script)
 
 
 # -- HTML helpers ------------------------------------------------------------------------------
@@ -366,11 +422,12 @@ def _script_json(data: str) -> str:
     return data.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
-def _intent_rows(rows: list[dict[str, Any]]) -> str:
+def _intent_rows(rows: list[dict[str, Any]], base: str) -> str:
     from effectfence.operator.views import format_age
 
     return "".join(
-        f"<tr data-intent='{_e(r['intent'])}'><td><a href='/intent?id={quote(r['intent'])}'>"
+        f"<tr data-intent='{_e(r['intent'])}'><td>"
+        f"<a href='{_e(base)}/intent?id={quote(r['intent'])}'>"
         f"{_e(r['intent'])}</a></td><td class='state {_e(r['state'])}'>{_e(r['state'])}</td>"
         f"<td>{_e(r.get('domain', ''))}</td><td>{_e(r.get('holder', ''))}</td>"
         f"<td>{_e(r.get('token', ''))}</td><td>{_e(format_age(r.get('age')))}</td>"
@@ -417,10 +474,10 @@ function cell(tr,text,cls){const td=document.createElement("td");td.textContent=
  if(cls)td.className=cls;tr.appendChild(td);return td;}
 async function refresh(){
  try{
-  const r=await fetch("/api/intents",{credentials:"same-origin"});if(!r.ok)return;
+  const r=await fetch(BASE+"/api/intents",{credentials:"same-origin"});if(!r.ok)return;
   const d=await r.json();const tb=document.querySelector("#intents tbody");tb.replaceChildren();
   for(const x of d.intents){const tr=document.createElement("tr");tr.dataset.intent=x.intent;
-   const a=document.createElement("a");a.href="/intent?id="+encodeURIComponent(x.intent);
+   const a=document.createElement("a");a.href=BASE+"/intent?id="+encodeURIComponent(x.intent);
    a.textContent=x.intent;cell(tr,"").appendChild(a);cell(tr,x.state,"state "+x.state);
    cell(tr,x.domain||"");cell(tr,x.holder||"");cell(tr,String(x.token??""));
    cell(tr,age(x.age));cell(tr,x.detail||"");tb.appendChild(tr);}
@@ -432,7 +489,7 @@ async function refresh(){
 }
 async function chart(){
  try{
-  const r=await fetch("/api/stats",{credentials:"same-origin"});if(!r.ok)return;
+  const r=await fetch(BASE+"/api/stats",{credentials:"same-origin"});if(!r.ok)return;
   const d=await r.json();const svg=document.getElementById("chart");const W=720,H=220,P=30;
   const s=d.samples;svg.replaceChildren();const legend=document.getElementById("legend");
   legend.replaceChildren();if(s.length<1)return;
@@ -464,7 +521,7 @@ if(form)form.addEventListener("submit",async ev=>{
  if(!reason){out.textContent="a reason is required";return;}
  const f=document.getElementById("force");const h={"Content-Type":"application/json"};
  h[D.header]=D.csrf;
- const r=await fetch("/api/clear",{method:"POST",credentials:"same-origin",headers:h,
+ const r=await fetch(BASE+"/api/clear",{method:"POST",credentials:"same-origin",headers:h,
   body:JSON.stringify({intent:D.intent,reason:reason,force:!!(f&&f.checked)})});
  const d=await r.json();
  if(d.cleared){out.textContent="cleared: audit #"+d.audit.id+" by "+d.audit.who;
@@ -504,7 +561,14 @@ def _text(status: int, text: str) -> Response:
     return status, "text/plain; charset=utf-8", text.encode(), []
 
 
-_SECURITY_HEADERS = [
+#: what a look-only console (``serve --http --console`` without ``--allow-clear``) says
+_CLEAR_OFF = (
+    "this console does not clear: its server runs without --allow-clear. An operator "
+    f"clears with {CLEAR_COMMAND}, or the server is started with --allow-clear"
+)
+
+#: sent with every answer of a console, wherever it is served
+SECURITY_HEADERS = [
     # inline script and style are ours; nothing loads from anywhere else
     (
         "Content-Security-Policy",
@@ -512,13 +576,45 @@ _SECURITY_HEADERS = [
         "connect-src 'self'; img-src 'self'; form-action 'self'; frame-ancestors 'none'",
     ),
     ("X-Content-Type-Options", "nosniff"),
-    ("Referrer-Policy", "no-referrer"),
+    # not no-referrer: under it a browser sends "Origin: null" with the login form's POST,
+    # which the same-origin check must refuse; same-origin still tells other sites nothing
+    ("Referrer-Policy", "same-origin"),
     ("Cache-Control", "no-store"),
 ]
 
 
+class Sampler:
+    """Takes one :meth:`Console.sample` every ``every`` seconds, in a thread of its own (a
+    sample reads the store), from :meth:`start` until :meth:`stop`. Whoever serves a console
+    runs one: :class:`ConsoleServer`, and ``serve --http --console``."""
+
+    def __init__(self, console: Console, every: float = SAMPLE_EVERY) -> None:
+        self.console = console
+        self.every = every
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._loop, name="effectfence-console-sampler", daemon=True
+        )
+
+    def start(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            # a store hiccup leaves a hole in the chart, nothing else
+            with contextlib.suppress(Exception):
+                self.console.sample()
+            self._stop.wait(self.every)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+
 class ConsoleServer(ThreadingHTTPServer):
-    """The HTTP server of one :class:`Console`, and its sampler thread."""
+    """The HTTP server of one :class:`Console`, and its :class:`Sampler`."""
 
     daemon_threads = True
 
@@ -527,8 +623,7 @@ class ConsoleServer(ThreadingHTTPServer):
         if ":" in host:
             self.address_family = socket.AF_INET6
         super().__init__((host, port), _Handler)
-        self._stop = threading.Event()
-        self._sampler = threading.Thread(target=self._sample_loop, daemon=True)
+        self._sampler: Sampler | None = None
 
     @property
     def url(self) -> str:
@@ -539,22 +634,15 @@ class ConsoleServer(ThreadingHTTPServer):
 
     def start(self, every: float = SAMPLE_EVERY) -> threading.Thread:
         """Serve in a thread (for tests and embedding); :meth:`stop` ends it."""
-        self._every = every
-        self._sampler.start()
+        self._sampler = Sampler(self.console, every).start()
         t = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.1})
         t.daemon = True
         t.start()
         return t
 
-    def _sample_loop(self) -> None:
-        while not self._stop.is_set():
-            # a store hiccup leaves a hole in the chart, nothing else
-            with contextlib.suppress(Exception):
-                self.console.sample()
-            self._stop.wait(getattr(self, "_every", SAMPLE_EVERY))
-
     def stop(self) -> None:
-        self._stop.set()
+        if self._sampler is not None:
+            self._sampler.stop()
         self.shutdown()
         self.server_close()
 
@@ -575,7 +663,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(data)))
-        for k, v in (*_SECURITY_HEADERS, *extra):
+        for k, v in (*SECURITY_HEADERS, *extra):
             self.send_header(k, v)
         self.end_headers()
         self.wfile.write(data)
@@ -601,8 +689,7 @@ def serve(
     """A console server bound and ready (not yet serving): ``.start()`` serves in a thread,
     ``.serve_forever()`` in this one."""
     check_bind(host, principals)
-    extra = () if is_loopback(host) or host in ("0.0.0.0", "::") else (host,)
-    allowed = tuple(options.pop("allowed_hosts", ())) + extra
+    allowed = allowed_names(host, options.pop("allowed_hosts", ()))
     console = Console(fence, principals=principals, allowed_hosts=allowed, **options)
     return ConsoleServer(console, host, port)
 

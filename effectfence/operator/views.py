@@ -19,6 +19,7 @@ from effectfence.protocol import IntentRecord, Row, State, observe
 
 __all__ = [
     "STATE_FILTERS",
+    "clear_view",
     "entry_view",
     "format_age",
     "intent_view",
@@ -143,6 +144,22 @@ def entry_view(entry: AuditEntry, now: float) -> dict[str, Any]:
     out["age"] = age
     out["when"] = _iso(time.time() - age)
     return out
+
+
+def clear_view(intent: str, entry: AuditEntry | None) -> dict[str, Any]:
+    """What a clear answers a client (MCP's fence_clear, wrap's effectfence_clear): whether
+    there was a record, its state, and the audit entry that records who cleared it and why."""
+    if entry is None:
+        return {"intent": intent, "cleared": False, "previous_state": "absent"}
+    return {
+        "intent": intent,
+        "cleared": True,
+        "previous_state": str(entry.previous.get("state", "absent")),
+        "audit_id": entry.id,
+        "who": entry.who,
+        "reason": entry.reason,
+        "forced": entry.forced,
+    }
 
 
 def list_intents(

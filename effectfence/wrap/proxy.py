@@ -57,8 +57,9 @@ import orjson
 from effectfence.canonical import CanonicalError, canonical_bytes
 from effectfence.driver import FencedCall, Options, run_async
 from effectfence.errors import InvalidRequest, Refusal
-from effectfence.fence import EffectFence, FenceConfig
+from effectfence.fence import MAX_CLEAR_TEXT, EffectFence, FenceConfig
 from effectfence.model import EffectRequest, PreparedEffect
+from effectfence.operator.views import clear_view
 from effectfence.store.memory import MemoryStore
 from effectfence.wrap.policy import Policy, PolicyError, ToolPolicy
 
@@ -590,14 +591,12 @@ class Proxy:
                 return
 
     def _own_tool_defs(self) -> list[dict[str, Any]]:
-        target = {
-            "type": "object",
-            "properties": {
-                "tool": {"type": "string", "description": "the wrapped tool's name"},
-                "arguments": {"type": "object", "description": "its arguments, as called"},
-                "intent": {"type": "string", "description": "or the intent id itself"},
-            },
+        which: dict[str, Any] = {
+            "tool": {"type": "string", "description": "the wrapped tool's name"},
+            "arguments": {"type": "object", "description": "its arguments, as called"},
+            "intent": {"type": "string", "description": "or the intent id itself"},
         }
+        target = {"type": "object", "properties": which}
         defs = [
             {
                 "name": self.own_names["status"],
@@ -626,14 +625,37 @@ class Proxy:
             },
         ]
         if self.allow_clear:
+            clear_input = {
+                "type": "object",
+                "properties": {
+                    **which,
+                    "reason": {
+                        "type": "string",
+                        "minLength": 1,
+                        "maxLength": MAX_CLEAR_TEXT,
+                        "pattern": r"\S",
+                        "description": "why it is cleared (what you found downstream); "
+                        "recorded in the store's audit trail with who cleared it",
+                    },
+                    "force": {
+                        "type": "boolean",
+                        "default": False,
+                        "description": "clear even a call still running under a live lease "
+                        "(only once you know it is not running; recorded as forced)",
+                    },
+                },
+                "required": ["reason"],
+            }
             defs.append(
                 {
                     "name": self.own_names["clear"],
                     "title": "Clear a fenced call (operator)",
-                    "description": "OPERATOR ONLY. Forget a fenced call whatever its state, so "
-                    "an identical call runs again. Use only after checking downstream whether "
-                    "it took effect.",
-                    "inputSchema": target,
+                    "description": "OPERATOR ONLY. Forget a fenced call (done, failed, or "
+                    "running), so an identical call runs again. Use only after checking "
+                    "downstream whether it took effect. `reason` is required and recorded in "
+                    "the audit trail; a call still running under a live lease is refused "
+                    "intent_in_flight unless `force` is true.",
+                    "inputSchema": clear_input,
                     "annotations": {
                         "destructiveHint": True,
                         "idempotentHint": True,
@@ -877,13 +899,16 @@ class Proxy:
                 if role == "status":
                     data = await self._fence_op(self._status_data, intent)
                 else:
-                    fence = self.any_fence()
-                    prev = await self._fence_op(self._status_data, intent)
-                    cleared = await self._fence_op(fence.clear_intent, intent)
-                    data = {"intent": intent, "cleared": cleared, "previous_state": prev["state"]}
-                    _stderr(f"cleared {intent} (was {prev['state']}) at a client's request")
+                    data = await self._fence_op(self._clear_data, intent, args)
         except Refusal as exc:
-            self._answer(cid, modern, self._text_result(f"effectfence: {exc.message}", error=True))
+            payload = exc.to_payload()
+            refused = self._text_result(
+                f"effectfence: REFUSED {exc.code}: {exc.message} (recover: {exc.recover})",
+                error=True,
+                marker={"refused": exc.code, "intent": exc.intent},
+            )
+            refused["structuredContent"] = payload
+            self._answer(cid, modern, refused)
             return
         text = orjson.dumps(data, option=orjson.OPT_INDENT_2).decode()
         self._answer(
@@ -899,6 +924,22 @@ class Proxy:
         if type(tool) is not str or not isinstance(call_args, dict):
             raise InvalidRequest("pass `tool` (and its `arguments`), or an `intent`")
         return self.request_for(tool, call_args, self.policy.for_tool(tool)).intent
+
+    def _clear_data(self, intent: str, args: dict[str, Any]) -> dict[str, Any]:
+        """``effectfence_clear``: the operator's clear, with the client's reason, recorded as
+        the client (its ``clientInfo.name``) through wrap; a live lease only with force."""
+        reason, force = args.get("reason"), args.get("force", False)
+        if type(reason) is not str or not reason.strip():
+            raise InvalidRequest("pass `reason`: why it is cleared (recorded)", intent=intent)
+        if type(force) is not bool:
+            raise InvalidRequest("`force` is true or false", intent=intent)
+        who = f"{self.agent} (mcp, wrap)"
+        entry = self.any_fence().clear(intent, reason=reason, who=who, force=force)
+        data = clear_view(intent, entry)
+        if entry is not None:
+            was = data["previous_state"]
+            _stderr(f"cleared {intent} (was {was}) at {who}'s request: audit #{entry.id}")
+        return data
 
     def _status_data(self, intent: str) -> dict[str, Any]:
         st = self.any_fence().intent_status(intent)
