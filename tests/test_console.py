@@ -140,6 +140,24 @@ def test_unknown_host_is_refused(console: ConsoleServer) -> None:
     assert status == 421
 
 
+def test_answers_leave_without_waiting_for_an_ack(console: ConsoleServer) -> None:
+    """Nagle off on every accepted connection (headers and body are two writes)."""
+    import socket
+
+    from effectfence.operator import console as module
+
+    seen: list[int] = []
+
+    class Probe(module._Handler):
+        def setup(self) -> None:
+            super().setup()
+            seen.append(self.connection.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+
+    console.RequestHandlerClass = Probe
+    status, _, _ = call(console.url + "/healthz")
+    assert status == 200 and seen and seen[0] != 0
+
+
 def test_with_tokens_every_page_needs_them(fence: EffectFence) -> None:
     from effectfence.mcp.http import Principals
 
