@@ -357,3 +357,21 @@ def test_merge_takes_a_full_run_s_sections_and_says_when_they_ran() -> None:
     run["quick"] = True
     with pytest.raises(ValueError, match="quick"):
         report.merge(doc, run)
+
+
+def test_readme_and_docs_blocks_are_what_report_makes_of_the_committed_json() -> None:
+    """Every generated block of README.md and docs/*.md is exactly what the generator makes
+    of the committed JSON, so no figure there is typed by hand (python -m benchmarks, or
+    python -m benchmarks.report, rewrites them)."""
+    doc = json.loads((ROOT / "benchmarks" / "results" / "latest.json").read_text())
+    found: set[str] = set()
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = path.read_text()
+        names = [n for n in report.BLOCKS if report.markers(n)[0] in text]
+        found.update(names)
+        assert report.rewrite(text, doc) == text, f"{path.name}: a block is not generated"
+        if path.name == "README.md":
+            assert names == README_BLOCKS
+        elif path.name in DOCS_BLOCKS:
+            assert names == DOCS_BLOCKS[path.name]
+    assert found == set(report.BLOCKS), "a block that no page shows"
