@@ -362,13 +362,18 @@ def main(argv: list[str] | None = None) -> int:
     }
     from benchmarks import report
 
+    publish = not (args.quick or args.no_publish or args.only)
     if args.json is not None:
         out_json = args.json
-    else:
-        out_json = RESULTS / ("quick.json" if args.quick else "latest.json")
+    else:  # only a published run replaces latest.json, which the page and blocks come from
+        out_json = RESULTS / (
+            "latest.json" if publish else "quick.json" if args.quick else "partial.json"
+        )
     report.dump(doc, out_json)
     print(f"wrote {out_json.relative_to(ROOT) if out_json.is_relative_to(ROOT) else out_json}")
-    if args.quick or args.no_publish or args.only:
+    if not args.quick and not publish:
+        print(f"to publish its sections: python -m benchmarks.report --merge {out_json}")
+    if not publish:
         page = RESULTS / "quick" / "RESULTS.md"
         written = report.publish(doc, page, charts=page.parent / "charts", readme=None)
         why = "quick" if args.quick else "partial"
