@@ -370,9 +370,10 @@ def main(argv: list[str] | None = None) -> int:
             "latest.json" if publish else "quick.json" if args.quick else "partial.json"
         )
     report.dump(doc, out_json)
-    print(f"wrote {out_json.relative_to(ROOT) if out_json.is_relative_to(ROOT) else out_json}")
+    shown = out_json.relative_to(ROOT) if out_json.is_relative_to(ROOT) else out_json
+    print(f"wrote {shown}")
     if not args.quick and not publish:
-        print(f"to publish its sections: python -m benchmarks.report --merge {out_json}")
+        print(f"to publish its sections: python -m benchmarks.report --merge {shown}")
     if not publish:
         page = RESULTS / "quick" / "RESULTS.md"
         written = report.publish(doc, page, charts=page.parent / "charts", readme=None)
