@@ -19,11 +19,13 @@ Single thread and N threads (released together by a barrier). Reports ops/s as t
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
 import threading
 import time
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -219,6 +221,33 @@ def round_summary(scenario: str, table: str, n: int, threads: int, rnd: int) -> 
     """One round of one scenario, for the suite: ops/s and latency quantiles (us)."""
     ops, lat = SCENARIOS[scenario](table, n, threads, rnd)
     return {"ops_s": ops, "latency_us": {"p50": pct(lat, 0.50), "p99": pct(lat, 0.99)}}
+
+
+def kept_result_bytes(table: str, n: int) -> dict[str, Any]:
+    """Memory one kept small result costs (args ``{"n": i}``, result ``{"ok": true}``): the
+    traced growth over ``n`` commits held by the memory store, divided by ``n``."""
+    fence = EffectFence(FenceConfig(counters=table, result_ttl=1e9, auto_sweep=False))
+
+    def commit(i: int) -> Any:
+        adm = fence.prepare(EffectRequest(f"m{i}", "d", "t", {"n": i}))
+        assert adm.fresh
+        return fence.commit(adm.ticket, {"ok": True})
+
+    for i in range(200):  # warm-up: caches, interned names, table growth
+        commit(-1 - i)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        kept = [commit(i) for i in range(n)]
+        del kept  # the certificates handed back; the store keeps its own
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    if fence.stats()["size"]["records"] < n:
+        raise AssertionError("the store reclaimed results it was told to keep")
+    return {"n": n, "bytes_per_result": grown / n}
 
 
 def build_info() -> dict[str, Any]:

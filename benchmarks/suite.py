@@ -5,9 +5,10 @@ the project's benchmark scripts (``bench_counters.py``, ``bench_fence.py``, ...)
 keep their own command lines; the suite runs them with one set of round counts, checks
 correctness while it measures, and collects medians with min-max and ratios measured side by
 side into one JSON (``benchmarks/results/latest.json``), from which ``benchmarks/report.py``
-writes ``benchmarks/RESULTS.md``, the README's results block and (with matplotlib, the
-``bench`` extra) the charts. A section whose prerequisite is missing (a server unreachable,
-a module not there yet, a peer that did not install) is reported as skipped, with the reason.
+writes ``benchmarks/RESULTS.md``, the generated blocks of the README and of ``docs/`` and
+(with matplotlib, the ``bench`` extra) the charts. A section whose prerequisite is missing (a
+server unreachable, a module not there yet, a peer that did not install) is reported as
+skipped, with the reason.
 
     python -m benchmarks                  # the full run (several minutes), publishes the page
     python -m benchmarks --quick          # under a minute; indicative figures, not published
@@ -314,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-publish",
         action="store_true",
-        help="do not rewrite RESULTS.md, the charts and the README block",
+        help="do not rewrite RESULTS.md, the charts and the README and docs blocks",
     )
     return p
 
@@ -361,21 +362,31 @@ def main(argv: list[str] | None = None) -> int:
     }
     from benchmarks import report
 
+    publish = not (args.quick or args.no_publish or args.only)
     if args.json is not None:
         out_json = args.json
-    else:
-        out_json = RESULTS / ("quick.json" if args.quick else "latest.json")
-    out_json.parent.mkdir(parents=True, exist_ok=True)
-    out_json.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
-    print(f"wrote {out_json.relative_to(ROOT) if out_json.is_relative_to(ROOT) else out_json}")
-    if args.quick or args.no_publish or args.only:
+    else:  # only a published run replaces latest.json, which the page and blocks come from
+        out_json = RESULTS / (
+            "latest.json" if publish else "quick.json" if args.quick else "partial.json"
+        )
+    report.dump(doc, out_json)
+    shown = out_json.relative_to(ROOT) if out_json.is_relative_to(ROOT) else out_json
+    print(f"wrote {shown}")
+    if not args.quick and not publish:
+        print(f"to publish its sections: python -m benchmarks.report --merge {shown}")
+    if not publish:
         page = RESULTS / "quick" / "RESULTS.md"
         written = report.publish(doc, page, charts=page.parent / "charts", readme=None)
         why = "quick" if args.quick else "partial"
-        print(f"{why} run: wrote {', '.join(written)} (RESULTS.md and the README are untouched)")
+        untouched = "RESULTS.md, the README and docs/ are untouched"
+        print(f"{why} run: wrote {', '.join(written)} ({untouched})")
     else:
         written = report.publish(
-            doc, HERE / "RESULTS.md", charts=RESULTS / "charts", readme=ROOT / "README.md"
+            doc,
+            HERE / "RESULTS.md",
+            charts=RESULTS / "charts",
+            readme=ROOT / "README.md",
+            docs=sorted(report.DOCS.glob("*.md")),
         )
         print(f"wrote {', '.join(written)}")
     print(report.console_summary(doc))

@@ -105,6 +105,63 @@ def synthetic(quick: bool = False) -> dict[str, Any]:
     return doc
 
 
+STORM_OUT = """effectfence storm: charge order #777 ($777.00), 40 waves x 25 new OS threads
+table   attempts executions replays refused elapsed_ms harness_ms share_ms* fence_ms**
+atomic      1000          1     999       0     203.4     190.3       13.1     17.90
+[atomic] exactly one execution; replays served 999; refused: none
+"""
+
+
+def with_new_keys(doc: dict[str, Any]) -> dict[str, Any]:
+    """The synthetic doc with what the storm, fence and scan sections add for the README."""
+    doc = copy.deepcopy(doc)
+    runs = [{"counters": c, "waves": 40, "racers": 25, "attempts": 1000, "executions": 1,
+             "replays": 999, "harness_ms": h, "elapsed_ms": h + 13.0, "fence_sum_ms": 17.9}
+            for c, h in (("atomic", 190.3), ("pure", 203.7))]  # fmt: skip
+    doc["sections"]["storm"]["data"]["transcript"] = {
+        "command": "effectfence storm", "stdout": STORM_OUT, "runs": runs}  # fmt: skip
+    doc["sections"]["stores"]["data"]["rows"].append(
+        {**doc["sections"]["stores"]["data"]["rows"][0], "store": "memory"}
+    )
+    doc["sections"]["fence"]["data"]["kept_result"] = {
+        "compiled": {"n": 100_000, "bytes_per_result": 1020.4},
+        "pure": {"n": 100_000, "bytes_per_result": 1021.2},
+    }
+    row = {"registry": "pypi", "effects_flagged": 1, "effects": 1, "reads_flagged": 0,
+           "reads": 7, "idempotent_flagged": 2, "idempotent": 4, "wrong_names": 0,
+           "scan_ms": s(30.0), "artifact_bytes": 40_000}  # fmt: skip
+    rows = [
+        {**row, "server": "mcp-server-git", "version": "2026.10.19", "style": "decorators"},
+        {**row, "server": "@modelcontextprotocol/server-github", "version": "2025.4.8",
+         "registry": "npm", "style": "compiled, `switch`", "effects": 5, "effects_flagged": 5,
+         "reads": 14, "artifact_bytes": 120_000},
+    ]  # fmt: skip
+    total = {k: sum(r[k] for r in rows) for k in ("effects", "effects_flagged", "reads",
+             "reads_flagged", "idempotent", "idempotent_flagged", "wrong_names")}  # fmt: skip
+    fixtures = {"servers": 18, "tools": 65, "tp": 28, "fp": 0, "fn": 1,
+                "missed": ["send_digest"], "false_alarms": [],
+                "labels": {"fires": 29, "guarded": 12, "idempotent": 8, "read": 16}}  # fmt: skip
+    doc["sections"]["scan"] = {
+        "status": "ok", "checks": ["scan was checked"], "seconds": 1.0,
+        "data": {"rows": rows, "missing": ["mcp-server-time (npm not installed)"],
+                 "total": total, "repeats": 5, "threshold": 4, "fixtures": fixtures},
+    }  # fmt: skip
+    return doc
+
+
+def blocked(names: list[str]) -> str:
+    """A page with the given blocks, each holding stale text, between prose."""
+    parts = ["# x\n"]
+    for name in names:
+        begin, end = report.markers(name)
+        parts.append(f"before {name}\n\n{begin}\nstale {name} 17.90 ms\n{end}\n\nafter {name}\n")
+    return "\n".join(parts)
+
+
+README_BLOCKS = ["results", "storm", "memory", "scan", "scan-fixtures"]
+DOCS_BLOCKS = {"stores-sqlite.md": ["stores-sqlite"], "wrap.md": ["wrap-cost"]}
+
+
 def test_page_has_every_section_the_machine_and_the_command() -> None:
     page = report.render_page(synthetic())
     assert page.startswith("# effectfence: benchmark results\n")
@@ -197,3 +254,124 @@ def test_effectfence_bench_runs_the_suite_from_a_checkout() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "--quick" in out.stdout and "--peers" in out.stdout
+
+
+def test_publish_replaces_every_block_in_the_readme_and_docs(tmp_path: Path) -> None:
+    doc = with_new_keys(synthetic())
+    readme = tmp_path / "README.md"
+    readme.write_text(blocked(README_BLOCKS))
+    docs = []
+    for name, blocks in DOCS_BLOCKS.items():
+        docs.append(tmp_path / name)
+        docs[-1].write_text(blocked(blocks))
+    (tmp_path / "plain.md").write_text("no blocks here\n")
+    written = report.publish(
+        doc, tmp_path / "RESULTS.md", None, readme, [*docs, tmp_path / "plain.md"]
+    )
+    assert written == [str(tmp_path / "RESULTS.md"), str(readme), *map(str, docs)]
+    assert (tmp_path / "plain.md").read_text() == "no blocks here\n"
+    for path, names in [(readme, README_BLOCKS)] + [
+        (tmp_path / n, b) for n, b in DOCS_BLOCKS.items()
+    ]:
+        text = path.read_text()
+        assert "stale" not in text and "17.90 ms" not in text
+        for name in names:
+            assert report.block(doc, name) in text
+            assert f"before {name}\n\n{report.block(doc, name)}\n\nafter {name}" in text
+    text = readme.read_text()
+    # the storm: the transcript as the CLI printed it, its date, and the harness from the JSON
+    assert f"```\n$ effectfence storm\n{STORM_OUT}```" in text
+    assert "(2026-01-02 03:04 UTC, `python -m benchmarks`, Test CPU 9000 x2" in text
+    assert "took 190 ms (atomic) and 204 ms (pure) in that run with no fence at all" in text
+    # memory: per build, and the day's worth at 10,000 effects a second
+    assert "costs 1,020 bytes compiled, 1,021 bytes pure, measured with tracemalloc over " in text
+    assert "100,000 commits in each build" in text and "need about 882 GB" in text
+    # scan: the corpus table, recall per server, overall, the fixtures
+    assert "| @modelcontextprotocol/server-github | npm 2025.4.8 | compiled, `switch` | " in text
+    assert "| mcp-server-git | PyPI 2026.10.19 | decorators | 12 (1 / 4 / 7) |" in text
+    assert "scanned 2 artifacts, 160 KB in all" in text
+    assert "per server that has any: git 1/1, github 5/5; read tools flagged: none" in text
+    assert "| recall on effect tools | **1.00** (6/6) |" in text
+    assert "| read tools flagged | **0%** (0/21) |" in text
+    assert "| wrong names | **0** (none reported, none missing) |" in text
+    assert "| idempotent tools flagged (not scored) | 4/8 |" in text
+    assert "- not scanned: mcp-server-time (npm not installed)" in text
+    assert "precision is **1.00** and recall **0.97** (28 true positives, 0 false positives" in text
+    assert "1 false negative: `send_digest`); from the run of 2026-01-02 03:04 UTC." in text
+    # docs: the SQLite rows against the limit and once-kernel; wrap's table
+    stores = (tmp_path / "stores-sqlite.md").read_text()
+    assert "| sqlite FULL | 150/s (135\N{EN DASH}165) | FULL |" in stores
+    assert "| memory |" not in stores  # the SQLite page shows the SQLite rows
+    assert "once-kernel did not run on SQLite at NORMAL in the peers section" in stores
+    wrap = (tmp_path / "wrap.md").read_text()
+    assert "| sqlite | fenced | 0.200 ms | 0.500 ms | 0.300 ms | 0.900 ms | 4,000 / 2,000 |" in wrap
+
+
+def test_blocks_say_which_section_lacks_their_data() -> None:
+    doc = synthetic()  # an older run: the sections ran, without the new keys
+    assert "the storm section of the run of 2026-01-02 03:04 UTC predates it" in report.block(
+        doc, "storm"
+    )
+    assert "the fence section of the run of" in report.block(doc, "memory")
+    assert "skipped: corpus not cached" in report.block(doc, "scan")
+    assert "skipped: corpus not cached" in report.block(doc, "scan-fixtures")
+    doc["sections"]["storm"] = {"status": "failed", "reason": "AssertionError: 2 executions",
+                                "checks": [], "seconds": 1.0}  # fmt: skip
+    assert "failed: AssertionError: 2 executions" in report.block(doc, "storm")
+    doc["sections"]["wrap"] = {"status": "skipped", "reason": "not selected (--only/--skip)",
+                               "checks": [], "seconds": 0.0}  # fmt: skip
+    assert "skipped: not selected" in report.block(doc, "wrap-cost")
+    for name in report.BLOCKS:  # every block renders, whatever is missing
+        begin, end = report.markers(name)
+        b = report.block(doc, name)
+        assert b.startswith(begin + "\n" + report.WRITTEN) and b.endswith(end)
+
+
+def test_page_shows_the_new_figures() -> None:
+    page = report.render_page(with_new_keys(synthetic()))
+    assert f"```\n$ effectfence storm\n{STORM_OUT}```" in page
+    assert "costs 1,020 bytes compiled, 1,021 bytes pure" in page
+    assert "The fixtures (`tests/fixtures/scan`): 18 fixture servers, 65 labelled tools" in page
+
+
+def test_merge_takes_a_full_run_s_sections_and_says_when_they_ran() -> None:
+    doc = synthetic()
+    run = with_new_keys(synthetic())
+    run["date"], run["command"] = "2026-02-03 04:05 UTC", "python -m benchmarks --only storm,scan"
+    run["machine"]["git_commit"] = "def5678"
+    for name in run["sections"]:
+        if name not in ("storm", "scan"):
+            run["sections"][name] = {"status": "skipped", "reason": "not selected",
+                                     "checks": [], "seconds": 0.0}  # fmt: skip
+    assert report.merge(doc, run) == ["storm", "scan"]
+    assert doc["sections"]["storm"]["run"]["date"] == "2026-02-03 04:05 UTC"
+    assert doc["sections"]["fence"].get("run") is None  # the rest keeps the document's run
+    assert "(2026-02-03 04:05 UTC, `python -m benchmarks --only storm,scan`" in report.block(
+        doc, "storm"
+    )
+    assert "from the run of 2026-02-03 04:05 UTC" in report.block(doc, "scan-fixtures")
+    assert ("storm: 1,000 attempts at one intent (run of 2026-02-03 04:05 UTC)"
+            in report.readme_block(doc))  # fmt: skip
+    page = report.render_page(doc)
+    assert "*Measured in a separate run: 2026-02-03 04:05 UTC, " in page and "def5678" in page
+    run["quick"] = True
+    with pytest.raises(ValueError, match="quick"):
+        report.merge(doc, run)
+
+
+def test_readme_and_docs_blocks_are_what_report_makes_of_the_committed_json() -> None:
+    """Every generated block of README.md and docs/*.md is exactly what the generator makes
+    of the committed JSON, so no figure there is typed by hand (python -m benchmarks, or
+    python -m benchmarks.report, rewrites them)."""
+    doc = json.loads((ROOT / "benchmarks" / "results" / "latest.json").read_text())
+    found: set[str] = set()
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = path.read_text()
+        names = [n for n in report.BLOCKS if report.markers(n)[0] in text]
+        found.update(names)
+        assert report.rewrite(text, doc) == text, f"{path.name}: a block is not generated"
+        if path.name == "README.md":
+            assert names == README_BLOCKS
+        elif path.name in DOCS_BLOCKS:
+            assert names == DOCS_BLOCKS[path.name]
+    assert found == set(report.BLOCKS), "a block that no page shows"

@@ -34,19 +34,3 @@ def test_python_examples_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     first = charge(123, 500)
     assert charge(123, 500) == first  # the duplicate is served the recorded result
     assert len(bank.charges) == 2  # one from the prepare/commit example, one from charge()
-
-
-def test_readme_figures_are_the_results_page_s() -> None:
-    """The README's results block is exactly what the generator makes of the committed JSON,
-    so no figure there is typed by hand (python -m benchmarks rewrites it)."""
-    import json
-    import sys
-
-    root = Path(__file__).parent.parent
-    sys.path.insert(0, str(root))
-    from benchmarks import report
-
-    doc = json.loads((root / "benchmarks" / "results" / "latest.json").read_text())
-    block = re.search(re.escape(report.BEGIN) + ".*?" + re.escape(report.END), README, re.S)
-    assert block is not None, "the README has no results block"
-    assert block.group(0) == report.readme_block(doc)

@@ -1,7 +1,8 @@
 """Fence operations, compiled core vs pure twin, each in its own interpreter:
 ``bench_fence.SCENARIOS`` run by ``bench_fence.round_summary`` in two workers, one with the
 compiled core (C counters + accelerator) and one with ``EFFECTFENCE_COUNTERS=pure`` (the whole
-pure-Python twin, as on a machine without a compiler), rounds interleaved.
+pure-Python twin, as on a machine without a compiler), rounds interleaved. Then what one kept
+small result costs in each build (``bench_fence.kept_result_bytes``, tracemalloc).
 """
 
 from __future__ import annotations
@@ -57,6 +58,11 @@ def run(ctx: Context) -> dict[str, Any]:
                     f"pure {row['pure']['median']:,.0f}/s"
                 )
         builds = {b: w.call("bench_fence:build_info") for b, w in workers.items()}
+        kept_n = ctx.pick(2_000, 100_000)
+        kept = {
+            b: workers[b].call("bench_fence:kept_result_bytes", table=table, n=kept_n)
+            for b, (table, _) in BUILDS.items()
+        }
     finally:
         for w in workers.values():
             w.close()
@@ -64,4 +70,5 @@ def run(ctx: Context) -> dict[str, Any]:
         "every fresh intent executed exactly once (sink), every replay returned the "
         "committed certificate, every in-flight duplicate was refused"
     )
-    return {"rounds": rounds, "ops": ops, "rows": rows, "builds": builds}
+    ctx.check(f"each build kept all {kept_n:,} committed results while its memory was traced")
+    return {"rounds": rounds, "ops": ops, "rows": rows, "builds": builds, "kept_result": kept}

@@ -1,16 +1,21 @@
 """The storm: 1,000 attempts at one intent in 40 waves of 25 new threads (``effectfence storm``),
 compiled core vs pure twin in their own interpreters, runs interleaved:
-``benchmarks/storm.py``'s ``one_storm`` over :func:`effectfence.storm.run_storm`.
+``benchmarks/storm.py``'s ``one_storm`` over :func:`effectfence.storm.run_storm`. Then one
+real ``effectfence storm`` with its default settings, run as a user would, whose transcript
+the README shows.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 from typing import Any
 
 from benchmarks.sections.fence import BUILDS
 from benchmarks.stats import summary
-from benchmarks.suite import Context, Skip, Worker
+from benchmarks.suite import ROOT, Context, Skip, Worker
 
 TITLE = "The storm: 1,000 attempts, one execution"
 
@@ -57,4 +62,36 @@ def run(ctx: Context) -> dict[str, Any]:
         f"{runs * len(BUILDS)} storms of 1,000 attempts: exactly one execution in each, "
         "counted at the sink"
     )
+    out["transcript"] = transcript(ctx)
     return out
+
+
+def transcript(ctx: Context) -> dict[str, Any]:
+    """One ``effectfence storm`` with its default settings, as a user runs it: its stdout, and
+    per table the figures it printed (from its ``--json``, which changes nothing else)."""
+    path = ctx.tmp / "storm-cli.json"
+    cmd = [sys.executable, "-m", "effectfence", "storm", "--json", str(path)]
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=600,
+    )
+    if proc.returncode != 0:  # its exit status is 0 only if every table executed exactly once
+        raise AssertionError(
+            f"effectfence storm exited {proc.returncode}:\n{proc.stdout}{proc.stderr}"
+        )
+    runs = json.loads(path.read_text())["runs"]
+    keys = ("counters", "waves", "racers", "attempts", "executions", "replays", "harness_ms",
+            "elapsed_ms", "fence_sum_ms")  # fmt: skip
+    ctx.check(
+        "`effectfence storm` (default settings) exited 0: exactly one execution for each of "
+        + ", ".join(r["counters"] for r in runs)
+    )
+    return {
+        "command": "effectfence storm",
+        "stdout": proc.stdout,
+        "runs": [{k: r[k] for k in keys} for r in runs],
+    }
