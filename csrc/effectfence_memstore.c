@@ -298,6 +298,17 @@ static int schedule(Core *c, PyObject *deadline, PyObject *intent, PyObject *tok
 }
 
 /* Step(outcome, record, found, head, stale): a new reference. */
+/* A stored record, and the certificate a commit keeps, hold only immutable scalars, enum
+ * members and tuples of scalars: they cannot be part of a reference cycle, so the cyclic
+ * GC has nothing to find in them. Left tracked, every full collection walks all kept
+ * results again (measured: ~10% of a fresh prepare+commit); CPython untracks tuples of
+ * atomics for the same reason. Memory management only: no condition depends on it. */
+static void untrack_immutable(PyObject *o) {
+    if (PyObject_IS_GC(o) && PyObject_GC_IsTracked(o)) {
+        PyObject_GC_UnTrack(o);
+    }
+}
+
 static PyObject *make_step(PyObject *outcome, PyObject *record, PyObject *found, PyObject *head,
                            PyObject *stale) {
     PyObject *args[5] = {outcome, record ? record : Py_None, found ? found : Py_None,
@@ -470,6 +481,9 @@ static PyObject *claim_locked(Core *c, Py_ssize_t stripe, PyObject *intent, PyOb
                               a[C_AGENT], lease_until, Py_None, K.zero,  K.empty,
                               K.zero,  seq,         reclaim_at};
         rec = PyObject_Vectorcall(K.IntentRecord, args, 13, NULL);
+    }
+    if (rec != NULL) {
+        untrack_immutable(rec);
     }
     if (rec == NULL || PyDict_SetItem(c->records, intent, rec) < 0) {
         goto done;
@@ -677,6 +691,8 @@ static PyObject *complete_locked(Core *c, Py_ssize_t stripe, PyObject *intent, P
             goto done;
         }
     }
+    untrack_immutable(rec);
+    untrack_immutable(cert);
     if (PyDict_SetItem(c->records, intent, rec) < 0 ||
         inflight_add(c, stripe, domain, -1) < 0) { /* one attempt fewer in flight */
         goto done;

@@ -691,3 +691,44 @@ def test_item7_edited_certificates_and_broken_links_still_fail() -> None:
         report = verify_chain(bad)
         assert not report.ok and report.broken_at == at, (report, at)
         assert "follows no earlier certificate" in report.reason
+
+
+# -- the C memory store keeps what it holds out of the cyclic GC ----------------------------------
+
+
+def test_c_store_keeps_records_and_certs_out_of_the_cyclic_gc() -> None:
+    """Records and kept certificates hold only scalars, enum members and tuples of scalars:
+    no cycle can pass through them, so the C store untracks them and a full collection does
+    not walk every kept result again. Refcounting still frees them."""
+    import sys
+
+    from effectfence import _accel
+    from effectfence.counters import AtomicCounterTable, new_table
+    from effectfence.protocol import State
+    from effectfence.store.cmemory import CMemoryStore
+
+    if _accel.memstore is None or AtomicCounterTable is None:
+        pytest.skip(f"the C memory store is not built: {_accel.memstore_error}")
+    store = CMemoryStore(counters=new_table("atomic"))
+    fence = EffectFence(FenceConfig(), store=store)
+    adm = fence.prepare(EffectRequest("gc:1", "order:1", "charge", {"n": [1, 2]}, "a"))
+    held = store.get("gc:1")
+    assert held is not None and not gc.is_tracked(held)
+    cert = fence.commit(adm.ticket, {"ok": [True]})
+    done = store.get("gc:1")
+    assert done is not None and done.cert is cert
+    assert not gc.is_tracked(done) and not gc.is_tracked(cert)
+    # nothing in them could lead back to them
+    for value in (getattr(done, name) for name in type(done).__slots__):
+        assert type(value) in (str, int, float, bytes, State, type(None), EffectCert), value
+
+    def scalars(v: Any) -> bool:  # CPython itself untracks such tuples on its next pass
+        return type(v) in (str, int, float, bytes, type(None)) or (
+            type(v) is tuple and all(scalars(x) for x in v)
+        )
+
+    assert all(scalars(part) for part in cert)
+    del held, cert
+    before = sys.getrefcount(done)
+    assert fence.clear("gc:1", reason="test", who="t") is not None
+    assert sys.getrefcount(done) == before - 1  # the store let go: refcounting frees it
