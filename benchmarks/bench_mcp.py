@@ -60,6 +60,7 @@ import multiprocessing as mp
 import os
 import platform
 import re
+import select
 import socket
 import statistics
 import sys
@@ -334,12 +335,17 @@ def body_messages(content_type: str, body: bytes) -> list[Any]:
 class RawMCP:
     """One MCP session over one kept-alive HTTP/1.1 connection; blocking, stdlib only.
 
-    Why not the SDK's client: it costs more CPU per call than the server does (p50 ~7 ms
-    for a no-op call where curl sees ~2 ms and this client ~1 ms), so clients built on it
-    measure themselves. This one sends each request and reads its whole answer (a JSON
-    body or an SSE stream, with a ``Content-Length`` or chunked) before the next: the
-    calls of one session are back to back, as an agent's are. It speaks only what the
-    benchmark needs: ``initialize``, ``notifications/initialized``, ``tools/call``."""
+    Why not the SDK's client: it costs more CPU per call than the server does (see the
+    module doc), so clients built on it measure themselves. This one sends each request
+    and reads its whole answer (a JSON body or an SSE stream, with a ``Content-Length`` or
+    chunked) before the next: the calls of one session are back to back, as an agent's
+    are. It speaks only what the
+    benchmark needs: ``initialize``, ``notifications/initialized``, ``tools/call``.
+
+    A server may close a kept-alive connection left idle (uvicorn does after 5 s): between
+    bursts, :meth:`reopen_if_closed` opens a new one for the same session (the session is
+    its id, not its connection) and counts it in ``reopened``. Within a burst a closed
+    connection is an error."""
 
     def __init__(self, url: str, timeout: float = 60.0) -> None:
         parts = urlsplit(url)
@@ -347,18 +353,37 @@ class RawMCP:
             raise ValueError(f"expected http://HOST:PORT/PATH, got {url!r}")
         self.path = parts.path or "/"
         self.host = parts.netloc
-        self.sock = socket.create_connection((parts.hostname, parts.port), timeout=timeout)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.rfile = self.sock.makefile("rb")
+        self.address = (parts.hostname, parts.port)
+        self.timeout = timeout
         self.session: str | None = None
         self.protocol: str | None = None
-        self.closed = False
+        self.reopened = 0
         self._id = 0
+        self._open()
+
+    def _open(self) -> None:
+        self.sock = socket.create_connection(self.address, timeout=self.timeout)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.rfile = self.sock.makefile("rb")
+        self.closed = False
 
     def close(self) -> None:
         self.closed = True
         self.rfile.close()
         self.sock.close()
+
+    def reopen_if_closed(self) -> bool:
+        """Between answers: if the server closed the connection, open a new one."""
+        if not self.closed:
+            readable, _, _ = select.select([self.sock], [], [], 0)
+            if not readable:
+                return False  # open and quiet: as it should be between answers
+            if self.sock.recv(1, socket.MSG_PEEK):
+                raise RawMCPError("the server sent bytes outside an answer")
+            self.close()
+        self._open()
+        self.reopened += 1
+        return True
 
     # HTTP/1.1 framing
     def _line(self) -> bytes:
@@ -530,6 +555,7 @@ def _raw_worker(url: str, index: int, barrier: Any, pipe: Connection) -> None:
             cmd, arg = pipe.recv()
             if cmd == "stop":
                 return
+            client.reopen_if_closed()  # not timed: before the barrier
             if cmd == "burst":  # released with the others; one tool, back to back
                 tool, count, tag = arg
                 barrier.wait(POOL_TIMEOUT)
@@ -537,13 +563,15 @@ def _raw_worker(url: str, index: int, barrier: Any, pipe: Connection) -> None:
                 lat, failed, why = _timed_calls(client, (tool,), count, f"{tag}:{index}")
                 t1 = time.perf_counter()
                 out = {"start": t0, "end": t1, "lat": lat[tool], "failed": failed, "why": why}
-                pipe.send(("ok", {**out, "cpu": time.process_time() - c0}))
+                cpu = time.process_time() - c0
+                pipe.send(("ok", {**out, "cpu": cpu, "reopened": client.reopened}))
             elif cmd == "alternate":  # alone: each tool in turn, one call at a time
                 tools, count, tag = arg
                 c0 = time.process_time()
                 lat, failed, why = _timed_calls(client, tools, count, f"{tag}:{index}")
                 out = {"lat": lat, "failed": failed, "why": why}
-                pipe.send(("ok", {**out, "cpu": time.process_time() - c0}))
+                cpu = time.process_time() - c0
+                pipe.send(("ok", {**out, "cpu": cpu, "reopened": client.reopened}))
             elif cmd == "call":
                 name, arguments = arg
                 pipe.send(("ok", client.call_tool(name, arguments)))
@@ -574,6 +602,8 @@ class ClientPool:
             self.pipes.append(mine)
             self.procs.append(proc)
         self.pids = [self._answer(i) for i in range(size)]
+        #: per process: idle connections the server closed, reopened between bursts
+        self.reopened = [0] * size
 
     def _answer(self, i: int) -> Any:
         pipe = self.pipes[i]
@@ -585,6 +615,8 @@ class ClientPool:
             raise RuntimeError(f"client process {i} exited ({self.procs[i].exitcode})") from None
         if kind != "ok":
             raise RuntimeError(f"client process {i} failed:\n{value}")
+        if isinstance(value, dict) and "reopened" in value:
+            self.reopened[i] = value["reopened"]
         return value
 
     def burst(self, tool: str, count: int, tag: str) -> dict[str, Any]:
@@ -769,6 +801,7 @@ async def _measure_http(args: argparse.Namespace) -> dict[str, Any]:
                     p = res[f"{c} fence_prepare {key}"]["p50"][-1]
                     over[f"{c} {key}"].append(p / res[f"{c} noop {key}"]["p50"][-1] - 1)
             stats = (await s.call_tool("fence_stats", {})).structured_content or {}
+            reopened = sum(pool.reopened)
     finally:
         if pool is not None:
             pool.close()
@@ -794,6 +827,7 @@ async def _measure_http(args: argparse.Namespace) -> dict[str, Any]:
         "failed": failed,
         "failures": failures,
         "server_admitted": admitted,
+        "reopened": reopened,
     }
     correct = failed == 0 and admitted == sent["prepares"]
     overhead_met = overhead["raw x1"] < TARGET_OVERHEAD and overhead[f"raw {x8}"] < TARGET_OVERHEAD
@@ -880,7 +914,8 @@ def _http_table(res: dict[str, Any]) -> str:
     lines.append(
         f"correctness: {'OK' if res['correct'] else 'FAILED'}: {c['prepares']} prepares of new "
         f"intents sent ({c['calls']} calls), {c['failed']} not answered as expected, server "
-        f"admitted {c['server_admitted']}"
+        f"admitted {c['server_admitted']}; {c['reopened']} idle connections the server "
+        "closed between bursts reopened for their sessions"
         + (f"; first failures: {c['failures']}" if c["failures"] else "")
     )
     lines.append("clients: " + "; ".join(f"{k} = {v}" for k, v in res["clients"].items()))

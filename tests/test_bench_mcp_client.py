@@ -23,8 +23,9 @@ from benchmarks.bench_mcp import RawMCP, RawMCPError, answered, sse_messages  # 
 class Canned:
     """A one-connection HTTP server answering each request with the next canned bytes."""
 
-    def __init__(self, answers: list[bytes]) -> None:
+    def __init__(self, answers: list[bytes], per_connection: list[int] | None = None) -> None:
         self.answers = answers
+        self.per_connection = per_connection or [len(answers)]
         self.requests: list[tuple[str, dict[str, str], Any]] = []
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/mcp"
@@ -32,9 +33,14 @@ class Canned:
         self.thread.start()
 
     def _serve(self) -> None:
+        answers = iter(self.answers)
+        for n in self.per_connection:  # then closes it, as a server closes an idle one
+            self._connection([next(answers) for _ in range(n)])
+
+    def _connection(self, answers: list[bytes]) -> None:
         conn, _ = self.listener.accept()
         with conn, conn.makefile("rb") as rfile:
-            for answer in self.answers:
+            for answer in answers:
                 line = rfile.readline()
                 if not line:
                     return
@@ -187,3 +193,24 @@ def test_sse_framing() -> None:
 )
 def test_answered_reads_the_structure(tool: str, result: dict[str, Any], ok: bool) -> None:
     assert answered(tool, result) is ok
+
+
+def test_an_idle_connection_the_server_closed_is_reopened_for_the_session() -> None:
+    json_h = {"content-type": "application/json"}
+    noop = {"jsonrpc": "2.0", "id": 2, "result": {"structuredContent": {"ok": True}}}
+    server = Canned(
+        [http("200 OK", {**json_h, "mcp-session-id": "s-1"}, json.dumps(INIT).encode()),
+         http("200 OK", json_h, json.dumps(noop).encode())],
+        per_connection=[1, 1],
+    )  # fmt: skip
+    client = RawMCP(server.url)
+    try:
+        client.request("initialize", {})
+        assert client.rfile.read(1) == b""  # the server closed it (idle)
+        assert client.reopen_if_closed() and client.reopened == 1
+        assert client.reopen_if_closed() is False  # open and quiet
+        assert answered("noop", client.call_tool("noop", {}))
+    finally:
+        client.close()
+        server.close()
+    assert server.requests[1][1]["mcp-session-id"] == "s-1"  # the same session, anew
