@@ -87,7 +87,7 @@ def serve(store: str, http: bool) -> int:
 
     fence = open_fence(store, FenceConfig())
     metrics = Metrics()
-    server = build_server(fence, metrics=metrics)
+    server = build_server(fence, metrics=metrics, freeze_heap=True)  # as `effectfence serve`
 
     async def noop(
         intent: str, domain: str, tool: str, args: dict[str, Any], agent: str
