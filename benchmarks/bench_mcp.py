@@ -888,7 +888,10 @@ def _http_table(res: dict[str, Any]) -> str:
     )
     lines.append(
         f"{CONCURRENCY} processes: {res['prepares_per_s_x8']:.0f} prepares/s, "
-        f"{res['throughput_ratio_x8']:.2f}x the no-op's calls/s"
+        f"{res['throughput_ratio_x8']:.2f}x the no-op's calls/s, so a fence_prepare's mean "
+        f"latency is {1 / res['throughput_ratio_x8']:.2f}x a no-op's ({CONCURRENCY} clients "
+        "back to back: mean = clients / calls/s; a p50 alone can mislead where waits are "
+        "unfair, as SQLite's busy handler makes them)"
     )
     cpu = res["cpu_ms_per_call"]
     if cpu:
