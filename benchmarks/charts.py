@@ -157,6 +157,8 @@ def latency(doc: dict[str, Any], out: Path) -> Path | None:
     if mcp:
         panels.append(("MCP over stdio", mcp["stdio"]["distribution_ms"]))
         panels.append(("MCP over HTTP", mcp["http"]["distribution_ms"]))
+        if "http_sqlite" in mcp:
+            panels.append(("MCP over HTTP, SQLite store", mcp["http_sqlite"]["distribution_ms"]))
     if wrap and wrap.get("sqlite"):
         panels.append(("wrap (SQLite store)", wrap["sqlite"]["distribution_ms"]))
     if not panels:

@@ -189,12 +189,17 @@ def headlines(doc: dict[str, Any]) -> list[tuple[str, str]]:
             f"{ms(lat['noop']['p50']['median'] * 1e3)} ({pct(st['overhead']['prepare'])})",
         )
         h = mcp["http"]
-        add(
-            "mcp",
-            "MCP over HTTP, 8 clients: fence_prepare calls/s",
-            f"{rate(h['results']['fence_prepare x8']['calls/s'])}; p50 "
-            f"{pct(h['overhead']['x8'])} over a no-op",
-        )
+        if h.get("format", 1) < 2:  # the SDK's client, 8 sessions in one process
+            add(
+                "mcp",
+                "MCP over HTTP, 8 clients: fence_prepare calls/s",
+                f"{rate(h['results']['fence_prepare x8']['calls/s'])}; p50 "
+                f"{pct(h['overhead']['x8'])} over a no-op",
+            )
+        else:
+            for key, what in (("http", "memory"), ("http_sqlite", "SQLite")):
+                if key in mcp:
+                    add("mcp", *_http_headline(mcp[key], what))
     else:
         add("mcp", "MCP server", why_not(doc, "mcp"))
     wrap = ok(doc, "wrap")
@@ -677,7 +682,97 @@ def _dist_rows(dist: dict[str, dict[str, float]], label: str) -> list[list[str]]
     ]
 
 
+def _http_headline(h: dict[str, Any], store: str) -> tuple[str, str]:
+    """One headline of the HTTP measurement: 8 client processes' prepares/s on a store."""
+    t = h["targets"]
+    figure = (
+        f"{rate(h['results']['raw fence_prepare x8']['calls/s'])}; p50 "
+        f"{pct(h['overhead']['raw x8'])} over a no-op ({pct(h['overhead']['raw x1'])} "
+        "with 1 client)"
+    )
+    if t["prepares_per_s_met"] is not None:
+        met = "met" if t["prepares_per_s_met"] else "NOT met"
+        figure += f"; target >= {t['prepares_per_s']['limit']:,.0f}/s {met}"
+    return (f"MCP over HTTP, 8 client processes, {store} store: fence_prepare calls/s", figure)
+
+
+def _ms3(s: dict[str, Any]) -> str:
+    return num({q: s[q] * 1e3 for q in ("median", "min", "max")}, " ms", 3)
+
+
+def _sec_mcp_http(h: dict[str, Any], label: str) -> tuple[list[list[str]], list[str]]:
+    """Rows of the MCP table and notes for one HTTP measurement (format 2)."""
+    rows = [
+        [f"HTTP {label} {k}", _ms3(v["p50"]), _ms3(v["p99"]), rate(v["calls/s"])]
+        for k, v in h["results"].items()
+    ]
+    o, por, t = h["overhead"], h["overhead_per_round"], h["targets"]
+    cpu = h["cpu_ms_per_call"]
+    met = "met" if t["overhead_met"] else "NOT met"
+    notes = [
+        f"HTTP, {label} store (`{h['store']}`): fence overhead over the no-op (p50) "
+        + ", ".join(
+            f"{k} {pct(v)} ({pct(por[k]['min'])}\N{EN DASH}{pct(por[k]['max'])})"
+            for k, v in o.items()
+        )
+        + f"; target < {pct(t['overhead']['limit'])[1:]} on the raw client: {met}. "
+        f"8 processes: fence_prepare {h['throughput_ratio_x8']:.2f}x the no-op's calls/s"
+        + (
+            ""
+            if t["prepares_per_s_met"] is None
+            else f"; >= {t['prepares_per_s']['limit']:,.0f} prepares/s: "
+            + ("met" if t["prepares_per_s_met"] else "NOT met")
+        )
+        + ". CPU per call, server / clients: "
+        + "; ".join(
+            f"{k} {cpu[f'server {k}']['median']:.3f} / {cpu[f'client {k}']['median']:.3f} ms"
+            for k in ("sdk x1", "raw x1", "raw noop x8", "raw fence_prepare x8")
+            if f"server {k}" in cpu
+        )
+        + ".",
+    ]
+    return rows, notes
+
+
 def _sec_mcp(d: dict[str, Any]) -> list[str]:
+    st, h = d["stdio"], d["http"]
+    if h.get("format", 1) < 2:
+        return _sec_mcp_v1(d)
+    rows = []
+    for k, v in st["latency_s"].items():
+        rows.append([f"stdio {k}", _ms3(v["p50"]), _ms3(v["p99"]), ""])
+    for k, v in st["calls_per_s"].items():
+        rows.append([f"stdio {k}", "", "", rate(v)])
+    notes: list[str] = []
+    dists = _dist_rows(st["distribution_ms"], "stdio")
+    for key, label in (("http", "memory"), ("http_sqlite", "SQLite")):
+        if key in d:
+            r, n = _sec_mcp_http(d[key], label)
+            rows += r
+            notes += n
+            dists += _dist_rows(d[key]["distribution_ms"], f"HTTP {label}")
+    o = st["overhead"]
+    clients = h["clients"]
+    return [
+        f"{d['rounds']} rounds x {d['calls']} calls per scenario; per round p50 and p99, then "
+        "their median (min\N{EN DASH}max). The no-op tool takes the same arguments on the "
+        "same server. stdio: the SDK's own client, store memory. HTTP, `sdk` rows: "
+        f"{clients['sdk']} `raw` rows: {clients['raw']}",
+        "",
+        *table(["scenario", "p50", "p99", "calls/s"], rows),
+        "",
+        f"stdio: fence overhead over the no-op (p50): prepare {pct(o['prepare'])}, replay "
+        f"{pct(o['replay'])}, prepare+commit vs 2 no-ops {pct(o['prepare+commit vs 2x noop'])}.",
+        "",
+        *[line for n in notes for line in (n, "")],
+        "Latency distribution (ms, all rounds pooled):",
+        "",
+        *table(["scenario", "p5", "p25", "p50", "p75", "p95", "p99", "max"], dists),
+    ]
+
+
+def _sec_mcp_v1(d: dict[str, Any]) -> list[str]:
+    """The MCP section of a results JSON from before the raw HTTP client (format 1)."""
     st, h = d["stdio"], d["http"]
     rows = []
     for k, v in st["latency_s"].items():

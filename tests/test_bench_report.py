@@ -162,6 +162,51 @@ README_BLOCKS = ["results", "storm", "memory", "scan", "scan-fixtures"]
 DOCS_BLOCKS = {"stores-sqlite.md": ["stores-sqlite"], "wrap.md": ["wrap-cost"]}
 
 
+def http2(store: str, prepares: float) -> dict[str, Any]:
+    """An HTTP measurement as bench_mcp writes it since the raw client (format 2)."""
+    results = {
+        f"{c} {t} x{n}": {"p50": s(0.001), "p99": s(0.003), "calls/s": s(prepares)}
+        for c, ns in (("sdk", (1,)), ("raw", (1, 8)))
+        for n in ns
+        for t in ("noop", "fence_prepare")
+    }
+    cpu = {
+        f"{w} {k}": s(0.5)
+        for w in ("server", "client")
+        for k in ("sdk x1", "raw x1", "raw noop x8", "raw fence_prepare x8")
+    }
+    sqlite = store == "sqlite"
+    return {"format": 2, "store": "sqlite:///tmp/x.db" if sqlite else "memory",
+            "store_name": store, "counters": "atomic", "rounds": 2, "calls_per_round": 10,
+            "per_client_x8": 5, "clients": {"raw": "raw processes.", "sdk": "the SDK."},
+            "results": results, "overhead": {"raw x1": 0.04, "raw x8": 0.06, "sdk x1": 0.02},
+            "overhead_per_round": {k: s(0.05) for k in ("raw x1", "raw x8", "sdk x1")},
+            "throughput_ratio_x8": 0.9, "prepares_per_s_x8": prepares,
+            "cpu_ms_per_call": cpu,
+            "targets": {"overhead": {"limit": 0.1, "on": ["raw x1", "raw x8"]},
+                        "overhead_met": True,
+                        "prepares_per_s": {"limit": 500.0, "applies": sqlite},
+                        "prepares_per_s_met": prepares >= 500 if sqlite else None},
+            "target_met": True, "distribution_ms": {"raw noop x8": dist()}, "correct": True,
+            "checks": {"calls": 40, "prepares": 20, "failed": 0, "failures": [],
+                       "server_admitted": 20}}  # fmt: skip
+
+
+def test_mcp_over_http_by_client_processes_shows_both_stores_and_the_targets() -> None:
+    doc = synthetic()
+    mcp = doc["sections"]["mcp"]["data"]
+    mcp["http"], mcp["http_sqlite"] = http2("memory", 1000), http2("sqlite", 400)
+    page, block = report.render_page(doc), report.readme_block(doc)
+    for text in (page, block):
+        assert "MCP over HTTP, 8 client processes, memory store: fence_prepare calls/s" in text
+        assert "SQLite store: fence_prepare calls/s | 400/s (360\N{EN DASH}440)" in text
+        assert "target >= 500/s NOT met" in text
+    assert "| HTTP SQLite raw fence_prepare x8 | 1.000 ms" in page
+    assert "`raw` rows: raw processes." in page and "`sdk` rows: the SDK." in page
+    assert "raw x8 +6.0%" in page and "CPU per call, server / clients" in page
+    assert "| HTTP memory raw noop x8 | 0.150 |" in page  # its distribution
+
+
 def test_page_has_every_section_the_machine_and_the_command() -> None:
     page = report.render_page(synthetic())
     assert page.startswith("# effectfence: benchmark results\n")

@@ -671,6 +671,21 @@ async def test_an_idle_server_sweeps_expired_records() -> None:
         assert stats["events"]["reclaimed"] == 2
 
 
+@pytest.mark.parametrize("freeze", [False, True])
+async def test_a_serving_process_freezes_its_startup_heap_once_before_the_first_call(
+    monkeypatch: pytest.MonkeyPatch, freeze: bool
+) -> None:
+    import gc
+
+    calls: list[str] = []
+    monkeypatch.setattr(gc, "collect", lambda *a: calls.append("collect") or 0)
+    monkeypatch.setattr(gc, "freeze", lambda: calls.append("freeze"))
+    async with connect(build_server(freeze_heap=freeze)) as client:
+        assert calls == (["collect", "freeze"] if freeze else [])
+        ok(await prepare(client, intent="after the freeze"))
+    assert calls == (["collect", "freeze"] if freeze else [])
+
+
 # -- the command line ---------------------------------------------------------------------------
 
 
@@ -709,3 +724,22 @@ def test_serve_refuses_a_short_ticket_key(
         main([])
     assert exc.value.code == 2
     assert "EFFECTFENCE_TICKET_KEY" in capsys.readouterr().err
+
+
+def test_serve_freezes_the_heap_of_the_process_it_runs_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the command freezes: build_server leaves a host process's collector alone."""
+    import effectfence.mcp.server as srv
+
+    seen: dict[str, Any] = {}
+
+    class Stub:
+        def run(self, transport: str) -> None:
+            seen["transport"] = transport
+
+    def build(fence: EffectFence, **kwargs: Any) -> Stub:
+        seen.update(kwargs)
+        return Stub()
+
+    monkeypatch.setattr(srv, "build_server", build)
+    assert srv.main(["--store", "memory:"]) == 0
+    assert seen["freeze_heap"] is True and seen["transport"] == "stdio"

@@ -42,6 +42,7 @@ slow store never stalls the other agents a shared server is answering.
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import sys
@@ -681,6 +682,7 @@ def build_server(
     signer: TicketSigner | None = None,
     metrics: Metrics | None = None,
     authenticated: bool = False,
+    freeze_heap: bool = False,
 ) -> MCPServer[None]:
     """An MCP server exposing ``fence`` (a fresh in-memory fence by default).
 
@@ -690,6 +692,8 @@ def build_server(
     Calls are counted in ``metrics`` (give one to read it, e.g. for ``/metrics``).
     ``authenticated``: every call must carry a principal (the HTTP gate's), which is the
     certificate's agent; ``agent`` becomes optional and is ignored.
+    ``freeze_heap``: for the process that runs the server (``effectfence serve``), see
+    :func:`_freeze_heap`; it changes the whole process's collector, so off by default.
     """
     fence = fence if fence is not None else EffectFence()
     if signer is None:
@@ -705,6 +709,8 @@ def build_server(
 
     @asynccontextmanager
     async def lifespan(app: MCPServer[None]) -> AsyncIterator[None]:
+        if freeze_heap:
+            _freeze_heap()
         async with anyio.create_task_group() as tg:
             if fence.config.auto_sweep:
                 tg.start_soon(tools.sweep_forever)
@@ -822,6 +828,19 @@ def build_server(
         lifespan=lifespan,
         log_level="WARNING",
     )
+
+
+def _freeze_heap() -> None:
+    """Once the transport is up, before the first call: collect, then freeze what is alive.
+
+    A server process holds some 100k objects from its imports and setup (the SDK, pydantic
+    schemas, uvicorn) that live as long as it does, and every full (generation 2) pass of
+    the cyclic collector scanned them all: ~55 ms a pass on a 2-core machine, several a
+    second under load, each one stalling every call in flight (8 HTTP clients: p99 ~60 ms,
+    against ~8 ms frozen). Frozen objects are still freed by reference counting; only a
+    cycle among them would wait for the process to end."""
+    gc.collect()
+    gc.freeze()
 
 
 def _env_flag(name: str) -> bool:
@@ -951,6 +970,7 @@ def main(argv: list[str] | None = None) -> int:
         signer=signer,
         metrics=metrics,
         authenticated=principals is not None,
+        freeze_heap=True,
     )
     try:
         if bind is None:
