@@ -23,8 +23,10 @@ recorded result, for peers). Figures: median over rounds, with min-max.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import os
+import secrets
 import shutil
 import sqlite3
 import statistics
@@ -282,6 +284,48 @@ def measure(kind: str, url: str, scenario: str, mode: str, n: int, tmp: str, rnd
     return total / (t1 - t0)
 
 
+#: the schemas / key prefixes this run made on the shared servers, dropped when it ends
+_MADE: list[tuple[str, str, str]] = []
+
+
+def namespaced(scheme: str, url: str) -> Callable[[int, str, str], str]:
+    """A server store URL with its own schema (PostgreSQL) or key prefix (Redis) for each
+    measurement: the servers outlive the run, and a replay's setup must start from nothing
+    (the same intents committed by an earlier round or run would replay, not be fresh)."""
+    run_id = secrets.token_hex(3)
+    option = "schema" if scheme == "postgresql" else "prefix"
+
+    def make(r: int, s: str, m: str) -> str:
+        name = f"bench_{run_id}_{r}_{s}_{m.split()[0]}"
+        _MADE.append((scheme, url, name))
+        return f"{url}{'&' if '?' in url else '?'}{option}={name}"
+
+    return make
+
+
+def drop_namespaces() -> int:
+    """Drop what :func:`namespaced` made; returns how many."""
+    made, n = list(_MADE), 0
+    _MADE.clear()
+    for scheme, url, name in made:
+        with contextlib.suppress(Exception):  # a server gone since: nothing left to drop
+            if scheme == "postgresql":
+                import psycopg
+
+                with psycopg.connect(url, autocommit=True) as conn:
+                    conn.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+            else:
+                import redis
+
+                r = redis.Redis.from_url(url)
+                keys = list(r.scan_iter(match="[{]" + name + "[}]:*", count=1000))
+                if keys:
+                    r.delete(*keys)
+                r.close()
+            n += 1
+    return n
+
+
 # -- the table ----------------------------------------------------------------------------------
 
 
@@ -317,22 +361,29 @@ def main(argv: list[str] | None = None) -> int:
     if once_pkg is not None:
         rows.append(("once-kernel (sqlite NORMAL)", "once", sqlite_url("normal", "once"), True))
     for extra in args.store:
-        rows.append(
-            (extra.split("://")[0] + " (--store)", "fence", lambda r, s, m, u=extra: u, True)
+        scheme = extra.split("://")[0]
+        make = (
+            namespaced(scheme, extra)
+            if scheme in ("postgresql", "redis")
+            else (lambda r, s, m, u=extra: u)
         )
+        rows.append((scheme + " (--store)", "fence", make, True))
 
     results: dict[tuple[str, str, str], list[float]] = {}
-    for rnd in range(rounds):
-        for scenario, n in (("fresh", nf), ("replay", nr)):
-            for mode in MODES:
-                for name, kind, url, shared in rows:
-                    if mode == "4 processes" and not shared:
-                        continue
-                    rate = measure(kind, url(rnd, scenario, mode), scenario, mode, n, tmp, rnd)
-                    results.setdefault((name, scenario, mode), []).append(rate)
-                    print(f"  round {rnd} {scenario:6} {mode:11} {name:28} {rate:>10,.0f}/s",
-                          file=sys.stderr, flush=True)  # fmt: skip
-    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        for rnd in range(rounds):
+            for scenario, n in (("fresh", nf), ("replay", nr)):
+                for mode in MODES:
+                    for name, kind, url, shared in rows:
+                        if mode == "4 processes" and not shared:
+                            continue
+                        rate = measure(kind, url(rnd, scenario, mode), scenario, mode, n, tmp, rnd)
+                        results.setdefault((name, scenario, mode), []).append(rate)
+                        print(f"  round {rnd} {scenario:6} {mode:11} {name:28} {rate:>10,.0f}/s",
+                              file=sys.stderr, flush=True)  # fmt: skip
+    finally:
+        drop_namespaces()
+        shutil.rmtree(tmp, ignore_errors=True)
 
     print(f"\nops/s, median (min-max) over {rounds} round(s); python {sys.version.split()[0]}, "
           f"sqlite {sqlite3.sqlite_version}, {os.cpu_count()} cpus")  # fmt: skip

@@ -95,7 +95,7 @@ def run(ctx: Context) -> dict[str, Any]:
                 (
                     scheme,
                     "fence",
-                    lambda r, s, m, u=url: u,
+                    bench_stores.namespaced(scheme, url),
                     True,
                     ", ".join(f"{k}={v}" for k, v in servers[scheme].items() if k != "version"),
                 )
@@ -106,17 +106,22 @@ def run(ctx: Context) -> dict[str, Any]:
             if reachable(url, port) is None:  # still say what the server is, for the peers
                 servers[scheme] = facts(url)
     results: dict[tuple[str, str, str], list[float]] = {}
-    for rnd in range(rounds):
-        for scenario, n in (("fresh", nf), ("replay", nr)):
-            for mode in modes:
-                for name, kind, url, shared, _ in rows:
-                    if mode == "4 processes" and not shared:
-                        continue
-                    rate = bench_stores.measure(
-                        kind, url(rnd, scenario, mode), scenario, mode, n, tmp, rnd
-                    )
-                    results.setdefault((name, scenario, mode), []).append(rate)
-                ctx.progress(f"round {rnd + 1}/{rounds} {scenario} {mode}")
+    try:
+        for rnd in range(rounds):
+            for scenario, n in (("fresh", nf), ("replay", nr)):
+                for mode in modes:
+                    for name, kind, url, shared, _ in rows:
+                        if mode == "4 processes" and not shared:
+                            continue
+                        rate = bench_stores.measure(
+                            kind, url(rnd, scenario, mode), scenario, mode, n, tmp, rnd
+                        )
+                        results.setdefault((name, scenario, mode), []).append(rate)
+                    ctx.progress(f"round {rnd + 1}/{rounds} {scenario} {mode}")
+    finally:
+        dropped = bench_stores.drop_namespaces()
+        if dropped:
+            ctx.progress(f"dropped {dropped} benchmark namespaces on the servers")
     table = []
     for name, kind, _, _, durability in rows:
         entry: dict[str, Any] = {"store": name, "kind": kind, "durability": durability}
