@@ -475,7 +475,7 @@ _OTHER_EDGES = (
     (Row.IN_FLIGHT_LAPSED, Row.ABSENT, "sweep, once lapsed_grace has passed"),
     (Row.DONE_LIVE, Row.DONE_EXPIRED, "result_ttl passes"),
     (Row.DONE_EXPIRED, Row.ABSENT, "sweep"),
-    (Row.FAILED, Row.ABSENT, "clear_intent (operator)"),
+    (Row.FAILED, Row.ABSENT, "clear, with a reason (operator)"),
 )
 
 
