@@ -717,6 +717,8 @@ class EffectFence:
             )
         if type(who) is not str or not who.strip() or len(who) > 256:
             raise InvalidRequest("who must be a non-empty string of at most 256 chars")
+        if type(force) is not bool:
+            raise InvalidRequest("force must be True or False", intent=intent)
         store = self.store
         for _ in range(_MAX_MOVES):
             rec, now = store.read(intent)

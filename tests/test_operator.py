@@ -61,6 +61,16 @@ def test_clear_of_a_live_lease_is_refused_without_force(fence: EffectFence) -> N
     assert fence.intent_status("charge:1").state == "absent"
 
 
+@pytest.mark.parametrize("force", ["yes", 1, None])
+def test_clear_refuses_a_force_that_is_not_a_bool(fence: EffectFence, force: Any) -> None:
+    """A truthy string must not force a live lease open: every surface passes force here."""
+    fence.prepare(req(1))
+    before = fence.intent_status("charge:1")
+    with pytest.raises(InvalidRequest):
+        fence.clear("charge:1", reason="looks stuck", who="ops", force=force)
+    assert fence.intent_status("charge:1") == before and fence.audit() == []
+
+
 def test_clear_of_a_lapsed_lease_needs_no_force(fence: EffectFence, clock: FakeClock) -> None:
     fence.prepare(req(1))
     clock.advance(11.0)  # lease_ttl is 10

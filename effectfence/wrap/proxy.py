@@ -928,13 +928,11 @@ class Proxy:
     def _clear_data(self, intent: str, args: dict[str, Any]) -> dict[str, Any]:
         """``effectfence_clear``: the operator's clear, with the client's reason, recorded as
         the client (its ``clientInfo.name``) through wrap; a live lease only with force."""
-        reason, force = args.get("reason"), args.get("force", False)
-        if type(reason) is not str or not reason.strip():
-            raise InvalidRequest("pass `reason`: why it is cleared (recorded)", intent=intent)
-        if type(force) is not bool:
-            raise InvalidRequest("`force` is true or false", intent=intent)
+        # what a valid reason and force are is fence.clear's to say (one place)
         who = f"{self.agent} (mcp, wrap)"
-        entry = self.any_fence().clear(intent, reason=reason, who=who, force=force)
+        entry = self.any_fence().clear(
+            intent, reason=args.get("reason", ""), who=who, force=args.get("force", False)
+        )
         data = clear_view(intent, entry)
         if entry is not None:
             was = data["previous_state"]
