@@ -583,7 +583,7 @@ static PyObject *core_claim(Core *c, PyObject *const *args, Py_ssize_t nargs, Py
 
 /* ---------------------------------------------------------------------------- complete */
 
-enum { K_RESULT_TTL, K_RECLAIM, K_COMPARE, K_OWN_SEQ, K_REASON, K_STALE_RECLAIM, K_N };
+enum { K_FP, K_RESULT_TTL, K_RECLAIM, K_COMPARE, K_OWN_SEQ, K_REASON, K_STALE_RECLAIM, K_N };
 
 /* The head merge of MemoryStore.complete, under the heads lock. */
 static int merge_head(Core *c, PyObject *domain, PyObject *cert) {
@@ -627,9 +627,19 @@ static PyObject *complete_locked(Core *c, Py_ssize_t stripe, PyObject *intent, P
         (f_token = PyObject_GetAttr(cur, s_token)) == NULL) {
         goto done;
     }
+    /* compare-by-token, and the ticket's payload is the admitted one */
     int moved = state != K.IN_FLIGHT;
     if (!moved) {
         moved = PyObject_RichCompareBool(f_token, token, Py_NE);
+        if (moved < 0) {
+            goto done;
+        }
+    }
+    if (!moved) {
+        if ((fp = PyObject_GetAttr(cur, s_fingerprint)) == NULL) {
+            goto done;
+        }
+        moved = PyObject_RichCompareBool(fp, a[K_FP], Py_NE);
         if (moved < 0) {
             goto done;
         }
@@ -638,8 +648,7 @@ static PyObject *complete_locked(Core *c, Py_ssize_t stripe, PyObject *intent, P
         step = make_step(K.MOVED, NULL, cur, NULL, NULL);
         goto done;
     }
-    if ((fp = PyObject_GetAttr(cur, s_fingerprint)) == NULL ||
-        (domain = PyObject_GetAttr(cur, s_domain)) == NULL ||
+    if ((domain = PyObject_GetAttr(cur, s_domain)) == NULL ||
         (agent = PyObject_GetAttr(cur, s_agent)) == NULL ||
         (seq = PyObject_GetAttr(cur, s_seq)) == NULL) {
         goto done;
@@ -720,8 +729,9 @@ done:
 
 static PyObject *core_complete(Core *c, PyObject *const *args, Py_ssize_t nargs,
                                PyObject *kwnames) {
-    static PyObject **names[K_N] = {&s_result_ttl, &s_reclaim_after, &s_compare,
-                                    &s_own_seq,    &s_stale_reason,  &s_stale_reclaim_after};
+    static PyObject **names[K_N] = {&s_fingerprint_kw, &s_result_ttl,   &s_reclaim_after,
+                                    &s_compare,        &s_own_seq,      &s_stale_reason,
+                                    &s_stale_reclaim_after};
     PyObject *nm[K_N], *a[K_N];
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError,

@@ -13,7 +13,7 @@ import math
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from effectfence.canonical import (
     MAX_SAFE_INTEGER,
@@ -45,6 +45,7 @@ from effectfence.model import (
     Replay,
 )
 from effectfence.protocol import (
+    TICKET_TABLE,
     Action,
     ClearVerdict,
     IntentRecord,
@@ -99,6 +100,23 @@ LIBRARY_CLEAR_REASON = "clear_intent() called without a reason"
 _REPLAY, _CLAIM, _TAKEOVER = Action.REPLAY, Action.CLAIM, Action.TAKEOVER
 _ALLOW, _COMMITTED = TicketVerdict.ALLOW, TicketVerdict.COMMITTED
 _STALE_REASON = "read_set_stale"
+_T = TypeVar("_T")
+
+
+def check_commit_rule(table: Mapping[tuple[Row, bool], TicketVerdict]) -> None:
+    """A commit reads nothing before its store step: the step's compare-by-token (with the
+    ticket's payload) is Rule 3's check exactly when ``table`` lets a ticket act on every
+    in-flight row holding its token and on nothing else. Should Rule 3 ever say otherwise,
+    the fence must not silently judge commits by the old rule: it refuses to load."""
+    allowed = {key for key, verdict in table.items() if verdict is TicketVerdict.ALLOW}
+    if allowed != {(Row.IN_FLIGHT_LIVE, True), (Row.IN_FLIGHT_LAPSED, True)}:
+        raise ImportError(
+            "protocol.TICKET_TABLE no longer allows exactly the in-flight rows of the "
+            "ticket's own token: EffectFence.commit's read-free step would not apply Rule 3"
+        )
+
+
+check_commit_rule(TICKET_TABLE)
 
 PREPARE_BUCKETS = ("admitted", "replayed", *REFUSAL_TYPES)
 EVENT_BUCKETS = (
@@ -519,23 +537,12 @@ class EffectFence:
             self._count("refused_ticket_ops")
             raise
         verdict, refusal = judge_ticket(op, rec, now, ticket.intent, ticket.token)
-        if verdict is not _ALLOW and verdict is not _COMMITTED:
+        if verdict is not _ALLOW:  # COMMITTED too: this is not a commit
             self._count("refused_ticket_ops")
             assert refusal is not None
             raise refusal
         assert rec is not None
-        fp = ticket.fingerprint
-        args_json = ticket.args_json
-        if fp is None or args_json is None:
-            payload, args_json = self._payload(
-                ticket.intent, ticket.args, ticket.domain, ticket.tool
-            )
-            fp = store.fingerprint_of(payload)
-        if verdict is _COMMITTED and (op != "commit" or rec.fingerprint != fp):
-            # only a retry of the very commit may learn the certificate; all else: lease_lost
-            self._count("refused_ticket_ops")
-            assert refusal is not None
-            raise refusal
+        fp, args_json = self._ticket_payload(ticket)
         if rec.fingerprint != fp:
             self._count("refused_ticket_ops")
             raise InvalidTicket(
@@ -545,7 +552,19 @@ class EffectFence:
             )
         return args_json, verdict, rec, refusal
 
-    def _ticket_step(self, fn: Callable[..., Step], *args: Any, **kw: Any) -> Step:
+    def _ticket_payload(self, ticket: PreparedEffect) -> tuple[bytes, bytes]:
+        """(fingerprint, canonical args) of the payload a ticket carries: as admitted, or
+        computed anew for a ticket built by hand (and then compared with the record's)."""
+        fp = ticket.fingerprint
+        args_json = ticket.args_json
+        if fp is None or args_json is None:
+            payload, args_json = self._payload(
+                ticket.intent, ticket.args, ticket.domain, ticket.tool
+            )
+            fp = self.store.fingerprint_of(payload)
+        return fp, args_json
+
+    def _ticket_step(self, fn: Callable[..., _T], *args: Any, **kw: Any) -> _T:
         """A ticket operation's store step; a store that cannot answer refuses it
         ``store_unavailable``, counted with the other refused ticket operations."""
         try:
@@ -564,17 +583,18 @@ class EffectFence:
         return refusal
 
     def commit(self, ticket: PreparedEffect, result: Any) -> EffectCert:
-        """Record the effect's result; DONE with a certificate, atomically with the token check."""
-        args_json, verdict, rec, refusal = self._check_ticket("commit", ticket)
+        """Record the effect's result; DONE with a certificate, atomically with the token check.
+
+        One store step, no read before it: the step applies only while the record is in
+        flight under the ticket's token with the ticket's payload (Rule 3's ALLOW rows,
+        checked at import). Anything else, the record found is judged by Rule 3 and refused,
+        or answered as a retry of this very commit (G3)."""
+        if type(ticket) is not PreparedEffect:
+            kind = type(ticket).__name__
+            raise InvalidTicket(f"commit takes a PreparedEffect ticket, got {kind}")
         intent = ticket.intent
+        fp, args_json = self._ticket_payload(ticket)
         result_json = self._result_json(intent, result)
-        if verdict is _COMMITTED:  # the same ticket commits again (G3)
-            assert rec is not None and refusal is not None
-            again = recommit(rec, result_json)
-            if again is None:
-                self._count("refused_ticket_ops")
-                raise refusal
-            return again  # type: ignore[no-any-return]
         domain = ticket.domain
         read_set = ticket.read_set
         compare, own_seq = plan_commit(read_set, domain, ticket.seq, ticket.expected_seq)
@@ -615,6 +635,7 @@ class EffectFence:
             intent,
             ticket.token,
             cert,
+            fingerprint=fp,
             result_ttl=self._result_ttl,
             reclaim_after=self._result_reclaim,
             compare=compare,
@@ -646,13 +667,35 @@ class EffectFence:
                 expected=want,
                 actual=got,
             )
-        found = step.found
-        if found is not None and found.token == ticket.token and found.state is State.DONE:
-            # a concurrent retry of this very commit landed first: answer as a retry would
+        return self._commit_refused(ticket, fp, result_json, step.found)
+
+    def _commit_refused(
+        self, ticket: PreparedEffect, fp: bytes, result_json: bytes, found: IntentRecord | None
+    ) -> EffectCert:
+        """The commit's step did not apply: judge the record it found (Rule 3), as the
+        ticket operations that read first do (:meth:`_check_ticket`)."""
+        intent = ticket.intent
+        verdict, refusal = self._ticket_step(
+            lambda: judge_ticket("commit", found, self.store.now(), intent, ticket.token)
+        )
+        if verdict is _COMMITTED and found is not None and found.fingerprint == fp:
+            # only a retry of the very commit, with the same result, learns the certificate
             again = recommit(found, result_json)
             if again is not None:
                 return again  # type: ignore[no-any-return]
-        raise self._lost("commit", ticket, found)
+        self._count("refused_ticket_ops")
+        if verdict is _ALLOW and found is not None and found.fingerprint == fp:
+            raise LeaseLost(f"can't commit {intent!r}: the lease moved", intent=intent)
+        if verdict is _ALLOW:
+            # in flight under this ticket's token, yet the step did not apply: the ticket
+            # does not carry the payload that was admitted
+            raise InvalidTicket(
+                f"can't commit {intent!r}: the ticket's payload is not the admitted one",
+                intent=intent,
+                token=ticket.token,
+            )
+        assert refusal is not None
+        raise refusal
 
     def abort(self, ticket: PreparedEffect, reason: str = "aborted") -> None:
         """The outcome is unknown: fence the intent until an operator clears it (G9)."""

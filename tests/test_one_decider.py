@@ -11,16 +11,20 @@ import threading
 from pathlib import Path
 
 import pytest
-from support import STORES, FakeClock, race
+from support import STORES, FakeClock, HookedStore, race
 
 from effectfence import (
     EffectFence,
     EffectRequest,
     FenceConfig,
     IntentInFlight,
+    InvalidTicket,
     LeaseLost,
+    PreparedEffect,
     fenced,
 )
+from effectfence.fence import check_commit_rule
+from effectfence.protocol import TICKET_TABLE, Row, TicketVerdict
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,6 +64,20 @@ def test_commit_retried_with_another_result_is_lease_lost(store_kind: str) -> No
 
 
 @pytest.mark.parametrize("store_kind", sorted(STORES))
+def test_commit_retried_after_its_result_expired_is_lease_lost(store_kind: str) -> None:
+    """Rule 3 says DONE_EXPIRED, even for the ticket that committed: the commit's store step
+    does not apply, and the refusal comes from the table, not from the record's state."""
+    clock = FakeClock()
+    fence = _fence(store_kind, clock, auto_sweep=False, result_ttl=10.0)
+    t = fence.prepare(EffectRequest("pay:1", "acct", "pay", {"cents": 5}, "a")).ticket
+    fence.commit(t, {"charge_id": "ch_1"})
+    clock.advance(10.0)
+    with pytest.raises(LeaseLost) as info:
+        fence.commit(t, {"charge_id": "ch_1"})
+    assert info.value.state == "done_expired"
+
+
+@pytest.mark.parametrize("store_kind", sorted(STORES))
 def test_other_ticket_retrying_a_commit_is_lease_lost(store_kind: str) -> None:
     clock = FakeClock()
     fence = _fence(store_kind, clock, auto_sweep=False, lease_ttl=10.0)
@@ -69,6 +87,50 @@ def test_other_ticket_retrying_a_commit_is_lease_lost(store_kind: str) -> None:
     fence.commit(new, "ok")
     with pytest.raises(LeaseLost):
         fence.commit(old, "ok")  # same result, but not the ticket that committed
+
+
+# -- a commit is one store step: the step's compare is Rule 3's check --------------------------
+
+
+@pytest.mark.parametrize("store_kind", sorted(STORES))
+def test_a_commit_reads_nothing_before_its_step(store_kind: str) -> None:
+    """Fresh = one read, one claim, one complete: a read before the complete would be one
+    round trip more on every server store."""
+    store = HookedStore(STORES[store_kind](FakeClock()))
+    fence = EffectFence(FenceConfig(auto_sweep=False), store=store)
+    t = fence.prepare(EffectRequest("pay:1", "acct", "pay", {"cents": 5}, "a")).ticket
+    calls: list[str] = []
+    store.before("get", lambda: calls.append("get"))
+    store.before("complete", lambda: calls.append("complete"))
+    fence.commit(t, {"charge_id": "ch_1"})
+    assert calls == ["complete"]
+
+
+@pytest.mark.parametrize("store_kind", sorted(STORES))
+def test_a_commit_with_a_ticket_altered_since_admission_is_refused(store_kind: str) -> None:
+    fence = _fence(store_kind, FakeClock(), auto_sweep=False)
+    t = fence.prepare(EffectRequest("pay:1", "acct", "pay", {"cents": 5}, "a")).ticket
+    for forged in (
+        PreparedEffect.from_dict({**t.to_dict(), "args": {"cents": 5000}}),
+        PreparedEffect.from_dict({**t.to_dict(), "tool": "refund"}),
+    ):
+        before = fence.intent_status("pay:1")
+        with pytest.raises(InvalidTicket, match="not the admitted one"):
+            fence.commit(forged, {"charge_id": "ch_forged"})
+        assert fence.intent_status("pay:1") == before, "a refused commit changes nothing"
+    cert = fence.commit(t, {"charge_id": "ch_1"})
+    assert cert.args == {"cents": 5} and cert.tool == "pay"
+
+
+def test_the_read_free_commit_stands_on_rule_3() -> None:
+    check_commit_rule(TICKET_TABLE)
+    for row in (Row.IN_FLIGHT_LAPSED, Row.DONE_LIVE):
+        for current in (True, False):
+            table = dict(TICKET_TABLE)
+            flip = table[row, current] is TicketVerdict.ALLOW
+            table[row, current] = TicketVerdict.LEASE_LOST if flip else TicketVerdict.ALLOW
+            with pytest.raises(ImportError, match="read-free step"):
+                check_commit_rule(table)
 
 
 # -- waiters: woken at the next transition, and gone once their wait ends -------------------------

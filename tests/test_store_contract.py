@@ -114,11 +114,13 @@ def complete(
     compare: tuple[tuple[str, int], ...] = (),
     own_seq: int | None = None,
     stale_reclaim_after: float = float("inf"),
+    fingerprint: bytes | None = None,
 ) -> Step:
     return store.complete(
         rec.intent,
         rec.token if token is None else token,
         cert or cert_for(rec),
+        fingerprint=rec.fingerprint if fingerprint is None else fingerprint,
         result_ttl=result_ttl,
         reclaim_after=reclaim_after,
         compare=compare,
@@ -369,11 +371,16 @@ def test_complete_applies_done_with_cert(store: FenceStore, clock: FakeClock) ->
     assert store.in_flight("d") == 0
 
 
-@pytest.mark.parametrize("case", ["wrong_token", "absent", "done", "failed"])
+@pytest.mark.parametrize("case", ["wrong_token", "wrong_payload", "absent", "done", "failed"])
 def test_complete_is_compare_by_token(store: FenceStore, case: str) -> None:
+    """The token and the payload fingerprint are the step's condition: the fence commits
+    without reading first, so a ticket altered since admission must not apply."""
     rec = held(store)
     token = rec.token
-    if case == "wrong_token":
+    fingerprint = None
+    if case == "wrong_payload":
+        fingerprint = store.fingerprint_of(b"another payload")
+    elif case == "wrong_token":
         token = rec.token + 1000
     elif case == "absent":
         assert store.release("i1", rec.token).ok
@@ -383,7 +390,9 @@ def test_complete_is_compare_by_token(store: FenceStore, case: str) -> None:
         assert store.fail("i1", rec.token, "x", reclaim_after=RECLAIM).ok
     before = world(store, ("i1",), ("d",))
     found = store.get("i1")
-    step = complete(store, rec, token=token, cert=cert_for(rec, result="again"))
+    step = complete(
+        store, rec, token=token, cert=cert_for(rec, result="again"), fingerprint=fingerprint
+    )
     assert step.outcome is MOVED and step.record is None
     assert view(step.found) == view(found)
     assert world(store, ("i1",), ("d",)) == before

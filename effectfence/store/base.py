@@ -245,6 +245,7 @@ class FenceStore(ABC):
         token: int,
         cert: Any,
         *,
+        fingerprint: bytes,
         result_ttl: float,
         reclaim_after: float,
         compare: Sequence[tuple[str, int]],
@@ -252,9 +253,12 @@ class FenceStore(ABC):
         stale_reason: str,
         stale_reclaim_after: float,
     ) -> Step:
-        """IN_FLIGHT(token) -> DONE(cert, until = now + result_ttl,
+        """IN_FLIGHT(token, fingerprint) -> DONE(cert, until = now + result_ttl,
         reclaim_at = now + reclaim_after), compare-by-token.
 
+        The fingerprint is compared with the token: a ticket carries the payload it was
+        admitted with, so the fence can commit without reading the record first (the step's
+        condition is the ticket check; the fence judges only a refusal, from ``found``).
         Otherwise MOVED with the record found. In the same step every ``compare`` pair and,
         if given, ``own_seq`` (the record's own domain at that seq) are compared; if one
         does not hold the record becomes FAILED(``stale_reason``, since=now, reclaim_at =

@@ -310,6 +310,7 @@ class MemoryStore(FenceStore):
         token: int,
         cert: Any,
         *,
+        fingerprint: bytes,
         result_ttl: float,
         reclaim_after: float,
         compare: Sequence[tuple[str, int]],
@@ -320,7 +321,12 @@ class MemoryStore(FenceStore):
         stripe = hash(intent) & self._mask
         with self._locks[stripe]:
             cur = self._records.get(intent)
-            if cur is None or cur.state is not _IN_FLIGHT or cur.token != token:
+            if (
+                cur is None
+                or cur.state is not _IN_FLIGHT
+                or cur.token != token
+                or cur.fingerprint != fingerprint
+            ):
                 return Step(MOVED, found=cur)
             stale = self._compare(compare) if compare else None
             if stale is None and own_seq is not None:

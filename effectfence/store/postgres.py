@@ -54,7 +54,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import psycopg
 import psycopg.errors
 import psycopg_pool
-from psycopg import sql
+from psycopg import pq, sql
 
 from effectfence.errors import StoreUnavailable
 from effectfence.protocol import IntentRecord, State
@@ -83,7 +83,9 @@ __all__ = ["DEFAULT_SCHEMA", "SCHEMA_VERSION", "PostgresStore", "StoreSchemaErro
 
 #: the schema this code writes; a schema with a newer version is refused, never half-read.
 #: 2: the ``audit`` table and ``clear_if`` (an older schema gains them when next opened)
-SCHEMA_VERSION = 2
+#: 3: ``complete`` compares the ticket's fingerprint with its token (the fence commits
+#: without reading first); the version-2 function is dropped when a schema is upgraded
+SCHEMA_VERSION = 3
 DEFAULT_SCHEMA = "effectfence"
 DEFAULT_POOL_MAX = 8
 #: seconds to wait for a pooled connection (or a new one) before reporting unavailable
@@ -96,6 +98,7 @@ _F = ", ".join(RECORD_FIELDS)
 _FOUND = RECORD_FIELDS[1:]
 #: deadlock or serialization failure: the transaction was rolled back, safe to run again
 _RETRY_SQLSTATES = {"40P01", "40001"}
+_TUPLES_OK = pq.ExecStatus.TUPLES_OK
 _MAX_RETRIES = 5
 
 # Every step function: {s} is the quoted schema, {ch} the NOTIFY channel (a literal).
@@ -293,8 +296,10 @@ BEGIN
     outcome := 'applied';
 END $$;
 
+DROP FUNCTION IF EXISTS {s}.complete(text, bigint, bytea, text, jsonb, float8, float8, text[],
+    bigint[], bigint, text, float8, float8, float8);
 CREATE OR REPLACE FUNCTION {s}.complete(
-    p_intent text, p_token bigint, p_cert bytea, p_hash text, p_clock jsonb,
+    p_intent text, p_token bigint, p_fp bytea, p_cert bytea, p_hash text, p_clock jsonb,
     p_result_ttl float8, p_reclaim_after float8, p_cmp_domains text[], p_cmp_seqs bigint[],
     p_own_seq bigint, p_stale_reason text, p_stale_reclaim_after float8, p_keep float8,
     p_now float8,
@@ -315,8 +320,9 @@ BEGIN
           INTO f_state, f_token, f_fingerprint, f_domain, f_agent, f_lease_until, f_cert,
                f_until, f_reason, f_since, f_seq, f_reclaim_at;
     END IF;
-    -- compare-by-token: in flight under this token
-    IF NOT FOUND OR cur.state <> 'in_flight' OR cur.token <> p_token THEN
+    -- compare-by-token: in flight under this token, with the ticket's payload
+    IF NOT FOUND OR cur.state <> 'in_flight' OR cur.token <> p_token
+       OR cur.fingerprint <> p_fp THEN
         outcome := 'moved'; RETURN;
     END IF;
     IF cardinality(p_cmp_domains) > 0 OR p_own_seq IS NOT NULL THEN
@@ -687,7 +693,9 @@ class PostgresStore(FenceStore):
     def _execute(conn: psycopg.Connection[Any], query: Any, params: Sequence[Any]) -> list[Any]:
         """The one place a statement reaches the server (tests wrap it to inject faults)."""
         cur = conn.execute(query, params, binary=True)
-        return cur.fetchall() if cur.description is not None else []
+        # the result's status, not ``cur.description``: that builds a Column per column
+        res = cur.pgresult
+        return cur.fetchall() if res is not None and res.status == _TUPLES_OK else []
 
     def _read(self, op: str, query: Any, params: Sequence[Any]) -> list[Any]:
         """A read: it changes nothing, so a broken connection is retried once on another."""
@@ -718,7 +726,7 @@ class PostgresStore(FenceStore):
             "%s::text[], %s::bigint[], %s::bigint, %s::float8)"
         ).format(s)
         self._q_complete = q(
-            "SELECT * FROM {}.complete(%s, %s, %s, %s, %s::jsonb, %s, %s, %s::text[], "
+            "SELECT * FROM {}.complete(%s, %s, %s, %s, %s, %s::jsonb, %s, %s, %s::text[], "
             "%s::bigint[], %s::bigint, %s, %s, %s, %s::float8)"
         ).format(s)
         self._q_finish = q(
@@ -733,6 +741,12 @@ class PostgresStore(FenceStore):
         self._q_certs = q(
             "SELECT cert FROM {}.certs WHERE domain = %s AND seq > %s ORDER BY seq LIMIT %s"
         ).format(s)
+        # Rendered once: a Composed query is re-rendered on every execute, and psycopg
+        # caches its parse of a query by the query's bytes. (The schema name is checked
+        # against _SCHEMA_NAME, so quoting it needs no connection.)
+        for name, value in list(vars(self).items()):
+            if name.startswith("_q_") and isinstance(value, sql.Composable):
+                setattr(self, name, value.as_bytes(None))
 
     def _init_schema(self) -> str:
         """Create the schema on first use (once, under an advisory lock), refuse a newer one."""
@@ -1019,6 +1033,7 @@ class PostgresStore(FenceStore):
         token: int,
         cert: Any,
         *,
+        fingerprint: bytes,
         result_ttl: float,
         reclaim_after: float,
         compare: Sequence[tuple[str, int]],
@@ -1030,6 +1045,7 @@ class PostgresStore(FenceStore):
         params = (
             intent,
             token,
+            bytes(fingerprint),
             cert_json,
             cert.hash,
             json.dumps(cert.vector_clock, separators=(",", ":")),
@@ -1140,7 +1156,7 @@ class PostgresStore(FenceStore):
     def _finish_step(self, op: str, intent: str, row: Sequence[Any], params: Sequence[Any]) -> Step:
         if op == "complete":
             return self._complete_step(
-                intent, row, _cert_of(params), params[5], params[6], params[10], params[11]
+                intent, row, _cert_of(params), params[6], params[7], params[11], params[12]
             )
         outcome = row[0]
         cur = self._found(intent, row, 1)
@@ -1369,4 +1385,5 @@ def _hung_up(conn: psycopg.Connection[Any]) -> bool:
 
 
 def _cert_of(params: Sequence[Any]) -> Any:
-    return cert_from_json(params[2])
+    """The certificate of a ``complete`` step's parameters (after intent, token, fingerprint)."""
+    return cert_from_json(params[3])

@@ -233,15 +233,16 @@ _COMPLETE = """
 -- ARGV[5] certificate JSON  ARGV[6] its hash  ARGV[7] its vector clock (JSON)
 -- ARGV[8] result_ttl  ARGV[9] reclaim_after  ARGV[10] own_seq or ''  ARGV[11] stale_reason
 -- ARGV[12] stale_reclaim_after  ARGV[13] certificates kept per domain, '' for all
--- ARGV[14..] compared domain, seq, ...
+-- ARGV[14] the ticket's fingerprint  ARGV[15..] compared domain, seq, ...
 -- -> {outcome, found record or nil, now, stale triple}
 local cur = get(KEYS[1])
--- compare-by-token: in flight under this token
-if not cur or cur[1] ~= 'in_flight' or tonumber(cur[2]) ~= tonumber(ARGV[4]) then
+-- compare-by-token: in flight under this token, with the ticket's payload
+if not cur or cur[1] ~= 'in_flight' or tonumber(cur[2]) ~= tonumber(ARGV[4])
+   or cur[3] ~= ARGV[14] then
     return {'moved', cur or false}
 end
 local domain = cur[4]
-local stale = compare(14)
+local stale = compare(15)
 if not stale and ARGV[10] ~= '' then
     local got = at(domain)
     if got ~= tonumber(ARGV[10]) then stale = {domain, ARGV[10], ifmt(got)} end
@@ -823,6 +824,7 @@ class RedisStore(FenceStore):
         token: int,
         cert: Any,
         *,
+        fingerprint: bytes,
         result_ttl: float,
         reclaim_after: float,
         compare: Sequence[tuple[str, int]],
@@ -843,6 +845,7 @@ class RedisStore(FenceStore):
             stale_reason,
             _num(stale_reclaim_after),
             "" if self.certs_per_domain is None else self.certs_per_domain,
+            bytes(fingerprint),
         ]
         for d, s in compare:
             args += [d, s]

@@ -741,6 +741,7 @@ class SQLiteStore(FenceStore):
         token: int,
         cert: Any,
         *,
+        fingerprint: bytes,
         result_ttl: float,
         reclaim_after: float,
         compare: Sequence[tuple[str, int]],
@@ -754,6 +755,7 @@ class SQLiteStore(FenceStore):
             self._complete,
             intent,
             token,
+            bytes(fingerprint),
             cert,
             cert_json,
             result_ttl,
@@ -770,6 +772,7 @@ class SQLiteStore(FenceStore):
         conn: sqlite3.Connection,
         intent: str,
         token: int,
+        fingerprint: bytes,
         cert: Any,
         cert_json: bytes,
         result_ttl: float,
@@ -781,7 +784,12 @@ class SQLiteStore(FenceStore):
     ) -> Step:
         row = self._fetch(conn, intent)
         cur = None if row is None else self._decode(row)
-        if cur is None or cur.state is not State.IN_FLIGHT or cur.token != token:
+        if (
+            cur is None
+            or cur.state is not State.IN_FLIGHT
+            or cur.token != token
+            or cur.fingerprint != fingerprint
+        ):
             return Step(MOVED, found=cur)
         stale = self._compare(conn, compare) if compare else None
         if stale is None and own_seq is not None:

@@ -265,26 +265,51 @@ MUTANTS: tuple[Mutant, ...] = (
         "commit-ignores-ticket-verdict",
         "G2",
         "effectfence/fence.py",
-        "        if verdict is not _ALLOW and verdict is not _COMMITTED:\n",
+        "        if verdict is not _ALLOW:  # COMMITTED too: this is not a commit\n",
         "        if False:\n",
-        _both("tests/test_stateful.py::test_state_table_ticket_ops[{store}-absent-commit]"),
-        "ticket operations skip the judge and rely on the store alone",
+        _both("tests/test_stateful.py::test_state_table_ticket_ops[{store}-absent-release]"),
+        "abort, release and renew skip the judge and rely on the store alone",
+    ),
+    Mutant(
+        "commit-judges-a-refusal-without-the-table",
+        "G3",
+        "effectfence/fence.py",
+        "        if verdict is _COMMITTED and found is not None and found.fingerprint == fp:\n",
+        "        if found is not None and found.state is State.DONE and found.fingerprint == fp:\n",
+        _both(
+            "tests/test_one_decider.py::"
+            "test_commit_retried_after_its_result_expired_is_lease_lost[{store}]"
+        ),
+        "a commit retried after its result expired learns a certificate the table calls lost",
     ),
     # -- the store's compare-and-set steps (effectfence/store/memory.py) ----------------------
     Mutant(
         "commit-without-token-check",
         "G2",
         "effectfence/store/memory.py",
-        "            if cur is None or cur.state is not _IN_FLIGHT or cur.token != token:\n"
-        "                return Step(MOVED, found=cur)\n"
-        "            stale = self._compare(compare) if compare else None",
-        "            if cur is None or cur.state is not _IN_FLIGHT:\n"
-        "                return Step(MOVED, found=cur)\n"
-        "            stale = self._compare(compare) if compare else None",
+        "                or cur.state is not _IN_FLIGHT\n"
+        "                or cur.token != token\n"
+        "                or cur.fingerprint != fingerprint\n",
+        "                or cur.state is not _IN_FLIGHT\n"
+        "                or cur.fingerprint != fingerprint\n",
         _both(
             "tests/test_chaos.py::test_interleaved_takeover_fences_the_old_ticket[{store}-complete]"
         ),
         "drop the token comparison of the complete step",
+    ),
+    Mutant(
+        "commit-without-payload-check",
+        "G4",
+        "effectfence/store/memory.py",
+        "                or cur.token != token\n"
+        "                or cur.fingerprint != fingerprint\n",
+        "                or cur.token != token\n",
+        _both(
+            "tests/test_one_decider.py::"
+            "test_a_commit_with_a_ticket_altered_since_admission_is_refused[{store}]"
+        ),
+        "the complete step ignores the ticket's payload: a ticket altered since admission "
+        "commits a certificate for an action nobody admitted",
     ),
     Mutant(
         "release-by-key",
@@ -442,6 +467,17 @@ MUTANTS: tuple[Mutant, ...] = (
         "        moved = 0;",
         ("tests/test_store_contract.py::test_complete_is_compare_by_token[memory-c-wrong_token]",),
         "a superseded holder's commit overwrites the current holder's record",
+    ),
+    Mutant(
+        "c-store-complete-ignores-payload",
+        "G4",
+        "csrc/effectfence_memstore.c",
+        "        moved = PyObject_RichCompareBool(fp, a[K_FP], Py_NE);",
+        "        moved = 0;",
+        (
+            "tests/test_store_contract.py::test_complete_is_compare_by_token[memory-c-wrong_payload]",
+        ),
+        "a ticket altered since admission commits a certificate for an unadmitted payload",
     ),
     Mutant(
         "c-store-claim-ignores-read-set",
