@@ -7,6 +7,8 @@ Rows:
 - ``sqlite FULL`` / ``sqlite NORMAL``: :class:`effectfence.store.sqlite.SQLiteStore`;
 - ``raw sqlite FULL/NORMAL``: the physical limit, hand-written: a claim and a complete as two
   ``BEGIN IMMEDIATE`` transactions on a minimal table (fresh), one primary-key SELECT (replay);
+- ``raw postgresql`` / ``raw redis`` (with ``--store``): the same floor on the server, one
+  statement (or command) per step;
 - ``once-kernel (sqlite NORMAL)``: ``once.Once`` on its ``SqliteStore`` (WAL, NORMAL is
   hard-wired), if ``pip install once-kernel`` is available (reported when missing);
 - ``--store URL`` (repeatable): any other store, e.g. postgresql://, redis://.
@@ -143,6 +145,102 @@ class RawClient:
             c.close()
 
 
+def _namespace(url: str, option: str) -> tuple[str, str]:
+    """(the URL without ``option``, its value): the schema or key prefix of a raw row."""
+    base, _, query = url.partition("?")
+    params = [p for p in query.split("&") if p]
+    name = next(p.split("=", 1)[1] for p in params if p.startswith(option + "="))
+    rest = [p for p in params if not p.startswith(option + "=")]
+    return base + ("?" + "&".join(rest) if rest else ""), name
+
+
+class RawPostgresClient:
+    """PostgreSQL's floor, hand-written: a one-statement claim (INSERT ... ON CONFLICT DO
+    NOTHING) and a one-statement compare-by-token complete (UPDATE), each its own fsynced
+    autocommit transaction, and one primary-key SELECT; one connection per thread."""
+
+    def __init__(self, url: str) -> None:
+        self.dsn, schema = _namespace(url, "schema")
+        self.table = f'"{schema}".t'
+        self.local = threading.local()
+        self.conns: list[Any] = []
+        c = self.conn()
+        c.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
+        c.execute(
+            f"CREATE TABLE IF NOT EXISTS {self.table} "
+            "(k text PRIMARY KEY, state text, token bigint, r bytea)"
+        )
+
+    def conn(self) -> Any:
+        c = getattr(self.local, "c", None)
+        if c is None:
+            import psycopg
+
+            c = self.local.c = psycopg.connect(self.dsn, autocommit=True)
+            self.conns.append(c)
+        return c
+
+    def fresh(self, key: str, k: int, sink: int) -> None:
+        c = self.conn()
+        ok = c.execute(
+            f"INSERT INTO {self.table} (k, state, token) VALUES (%s, 'in_flight', %s) "
+            "ON CONFLICT DO NOTHING",
+            (key, k),
+        ).rowcount
+        assert ok == 1
+        fire(sink, key)
+        done = c.execute(
+            f"UPDATE {self.table} SET state = 'done', r = %s WHERE k = %s AND token = %s",
+            (b"r", key, k),
+        ).rowcount
+        assert done == 1
+
+    def setup(self, key: str, k: int) -> str:
+        self.fresh(key, k, _DEVNULL)
+        return "r"
+
+    def replay(self, key: str, k: int, expect: str) -> None:
+        row = self.conn().execute(f"SELECT r FROM {self.table} WHERE k = %s", (key,)).fetchone()
+        assert row is not None and row[0] == b"r"
+
+    def close(self) -> None:
+        for c in self.conns:
+            c.close()
+
+
+class RawRedisClient:
+    """Redis's floor, hand-written: a claim (SET NX), a compare-by-token complete (a
+    three-line Lua script) and one GET, on the same server settings as the store's row."""
+
+    _CAS = (
+        "if redis.call('GET', KEYS[1]) == ARGV[1] then "
+        "return redis.call('SET', KEYS[1], ARGV[2]) end return false"
+    )
+
+    def __init__(self, url: str) -> None:
+        import redis
+
+        base, prefix = _namespace(url, "prefix")
+        self.r = redis.Redis.from_url(base)
+        self.p = "{" + prefix + "}:"  # the store's key form, so drop_namespaces finds them
+        self.cas = self.r.register_script(self._CAS)
+
+    def fresh(self, key: str, k: int, sink: int) -> None:
+        assert self.r.set(self.p + key, f"t{k}", nx=True)
+        fire(sink, key)
+        assert self.cas(keys=[self.p + key], args=[f"t{k}", "done:r"])
+
+    def setup(self, key: str, k: int) -> str:
+        self.fresh(key, k, _DEVNULL)
+        return "r"
+
+    def replay(self, key: str, k: int, expect: str) -> None:
+        assert self.r.get(self.p + key) == b"done:r"
+
+    def close(self) -> None:
+        self.r.close()
+
+
 class OnceClient:
     def __init__(self, url: str) -> None:
         from once.sqlite import SqliteStore
@@ -172,6 +270,8 @@ class OnceClient:
 CLIENTS: dict[str, Callable[[str], Any]] = {
     "fence": FenceClient,
     "raw": RawClient,
+    "rawpg": RawPostgresClient,
+    "rawredis": RawRedisClient,
     "once": OnceClient,
 }
 

@@ -655,8 +655,12 @@ def _sec_stores(d: dict[str, Any]) -> list[str]:
     out = [
         f"{d['rounds']} round(s); fresh: {d['fresh_ops']:,} ops, replay: "
         f"{d['replay_ops']:,} ops per measurement (split over the threads or processes). "
-        "`raw sqlite` is the physical limit: a hand-written claim and complete, two "
-        "`BEGIN IMMEDIATE` transactions on a minimal table, and one primary-key read.",
+        "`raw` rows are each store's physical limit at the same durability, hand-written on "
+        "a minimal table: SQLite a claim and a complete as two `BEGIN IMMEDIATE` "
+        "transactions; PostgreSQL a one-statement claim (`INSERT ... ON CONFLICT DO "
+        "NOTHING`) and complete (`UPDATE ... WHERE token`), each its own transaction; Redis "
+        "`SET NX` and a three-line compare-by-token script; a replay is one primary-key read "
+        "(`GET`).",
         "",
     ]
     out += _stores_tables(d, d["rows"])

@@ -103,20 +103,16 @@ _STALE_REASON = "read_set_stale"
 _T = TypeVar("_T")
 
 
-def check_commit_rule(table: Mapping[tuple[Row, bool], TicketVerdict]) -> None:
-    """A commit reads nothing before its store step: the step's compare-by-token (with the
-    ticket's payload) is Rule 3's check exactly when ``table`` lets a ticket act on every
+def read_free_commit(table: Mapping[tuple[Row, bool], TicketVerdict]) -> bool:
+    """May a commit skip the read before its store step? The step's compare-by-token (with
+    the ticket's payload) is Rule 3's check exactly when ``table`` lets a ticket act on every
     in-flight row holding its token and on nothing else. Should Rule 3 ever say otherwise,
-    the fence must not silently judge commits by the old rule: it refuses to load."""
+    commits read and judge first, as abort, release and renew do: the table stays the judge."""
     allowed = {key for key, verdict in table.items() if verdict is TicketVerdict.ALLOW}
-    if allowed != {(Row.IN_FLIGHT_LIVE, True), (Row.IN_FLIGHT_LAPSED, True)}:
-        raise ImportError(
-            "protocol.TICKET_TABLE no longer allows exactly the in-flight rows of the "
-            "ticket's own token: EffectFence.commit's read-free step would not apply Rule 3"
-        )
+    return allowed == {(Row.IN_FLIGHT_LIVE, True), (Row.IN_FLIGHT_LAPSED, True)}
 
 
-check_commit_rule(TICKET_TABLE)
+_READ_FREE_COMMIT = read_free_commit(TICKET_TABLE)
 
 PREPARE_BUCKETS = ("admitted", "replayed", *REFUSAL_TYPES)
 EVENT_BUCKETS = (
@@ -586,15 +582,19 @@ class EffectFence:
         """Record the effect's result; DONE with a certificate, atomically with the token check.
 
         One store step, no read before it: the step applies only while the record is in
-        flight under the ticket's token with the ticket's payload (Rule 3's ALLOW rows,
-        checked at import). Anything else, the record found is judged by Rule 3 and refused,
-        or answered as a retry of this very commit (G3)."""
+        flight under the ticket's token with the ticket's payload, which are Rule 3's ALLOW
+        rows (:func:`read_free_commit`). Anything else, the record found is judged by Rule 3
+        and refused, or answered as a retry of this very commit (G3)."""
         if type(ticket) is not PreparedEffect:
             kind = type(ticket).__name__
             raise InvalidTicket(f"commit takes a PreparedEffect ticket, got {kind}")
         intent = ticket.intent
         fp, args_json = self._ticket_payload(ticket)
         result_json = self._result_json(intent, result)
+        if not _READ_FREE_COMMIT:
+            rec, now = self._ticket_step(self.store.read, intent)
+            if judge_ticket("commit", rec, now, intent, ticket.token)[0] is not _ALLOW:
+                return self._commit_refused(ticket, fp, result_json, rec)
         domain = ticket.domain
         read_set = ticket.read_set
         compare, own_seq = plan_commit(read_set, domain, ticket.seq, ticket.expected_seq)

@@ -1,7 +1,8 @@
 """Each store: fresh prepare+commit and replay per second, 1 client / 8 threads / 4 processes:
 ``bench_stores.measure`` (executions counted at an O_APPEND sink file, every replay checked
-against the committed hash), with SQLite's physical limit (hand-written claim+complete) in the
-same run. PostgreSQL and Redis rows run when effectfence has the store and the server answers.
+against the committed hash), with each durable store's physical limit (a hand-written claim
+and complete, one statement or command per step) in the same run. PostgreSQL and Redis rows
+run when effectfence has the store and the server answers.
 """
 
 from __future__ import annotations
@@ -91,15 +92,13 @@ def run(ctx: Context) -> dict[str, Any]:
         why = server_store(scheme, url, port)
         if why is None:
             servers[scheme] = facts(url)
-            rows.append(
-                (
-                    scheme,
-                    "fence",
-                    bench_stores.namespaced(scheme, url),
-                    True,
-                    ", ".join(f"{k}={v}" for k, v in servers[scheme].items() if k != "version"),
-                )
-            )
+            settings = ", ".join(f"{k}={v}" for k, v in servers[scheme].items() if k != "version")
+            raw = "rawpg" if scheme == "postgresql" else "rawredis"
+            limit = f"raw {scheme} (limit)"
+            rows += [
+                (scheme, "fence", bench_stores.namespaced(scheme, url), True, settings),
+                (limit, raw, bench_stores.namespaced(scheme, url), True, settings),
+            ]
         else:
             skipped[scheme] = why
             ctx.progress(f"{scheme} row skipped: {why}")
