@@ -347,6 +347,12 @@ def test_claim_head_is_the_last_commit_on_the_domain(store: FenceStore) -> None:
     assert complete(store, b.record, cert=c2).ok
     step = claim(store, "c")
     assert step.head.hash == c2.hash and step.head.clock == {"x": 1, "y": 4}  # merged
+    assert step.record is not None
+    c3 = cert_for(step.record, clock={"x": 7, "y": 2, "z": 10**15})
+    assert complete(store, step.record, cert=c3).ok
+    after = claim(store, "d")  # element-wise maximum: larger counts win, smaller never do
+    assert after.head.hash == c3.hash
+    assert after.head.clock == {"x": 7, "y": 4, "z": 10**15}
     other = claim(store, "e", domain="elsewhere")
     assert other.head.hash is None and other.head.clock == {}
 

@@ -163,14 +163,19 @@ CREATE OR REPLACE FUNCTION {s}.now_(p_now float8) RETURNS float8 LANGUAGE sql VO
 CREATE OR REPLACE FUNCTION {s}.deadline_(t float8) RETURNS float8 LANGUAGE sql IMMUTABLE AS $$
     SELECT least(t, 1e300::float8) $$;
 
--- the element-wise maximum of two vector clocks (clock.merge_counts)
-CREATE OR REPLACE FUNCTION {s}.merge_(a jsonb, b jsonb) RETURNS jsonb LANGUAGE sql IMMUTABLE AS $$
-    SELECT coalesce(jsonb_object_agg(k, m), '{{}}'::jsonb) FROM (
-        SELECT k, max(v::numeric) AS m FROM (
-            SELECT key AS k, value AS v FROM jsonb_each_text(coalesce(a, '{{}}'::jsonb))
-            UNION ALL SELECT key, value FROM jsonb_each_text(coalesce(b, '{{}}'::jsonb))
-        ) x GROUP BY k
-    ) y $$;
+-- the element-wise maximum of two vector clocks (clock.merge_counts). PL/pgSQL, not SQL: a
+-- SQL function that is not inlined is planned again at every call (~0.25 ms, measured)
+CREATE OR REPLACE FUNCTION {s}.merge_(a jsonb, b jsonb) RETURNS jsonb LANGUAGE plpgsql IMMUTABLE
+AS $$
+DECLARE k text; v jsonb; r jsonb := coalesce(a, '{{}}'::jsonb);
+BEGIN
+    FOR k, v IN SELECT * FROM jsonb_each(coalesce(b, '{{}}'::jsonb)) LOOP
+        IF NOT r ? k OR (r -> k)::numeric < v::numeric THEN
+            r := r || jsonb_build_object(k, v);
+        END IF;
+    END LOOP;
+    RETURN r;
+END $$;
 
 -- a domain's seq; an absent domain is at the floor
 CREATE OR REPLACE FUNCTION {s}.at_(p_domain text) RETURNS bigint LANGUAGE sql STABLE AS $$
@@ -241,8 +246,10 @@ BEGIN
         PERFORM {s}.lock_domains_(p_domain, p_cmp_domains);
     END IF;
     -- condition 2, compare: every (domain, seq) of the read set holds
-    SELECT c.s_domain, c.s_want, c.s_got INTO s_domain, s_want, s_got
-      FROM {s}.compare_(p_cmp_domains, p_cmp_seqs) c;
+    IF cardinality(p_cmp_domains) > 0 THEN
+        SELECT c.s_domain, c.s_want, c.s_got INTO s_domain, s_want, s_got
+          FROM {s}.compare_(p_cmp_domains, p_cmp_seqs) c;
+    END IF;
     IF s_domain IS NOT NULL THEN outcome := 'stale'; RETURN; END IF;
     -- condition 3, reserve: compare-exchange at p_reserve_at, else the next seq
     WHILE NOT done LOOP
@@ -328,8 +335,10 @@ BEGIN
     IF cardinality(p_cmp_domains) > 0 OR p_own_seq IS NOT NULL THEN
         PERFORM {s}.lock_domains_(cur.domain, p_cmp_domains);
     END IF;
-    SELECT c.s_domain, c.s_want, c.s_got INTO s_domain, s_want, s_got
-      FROM {s}.compare_(p_cmp_domains, p_cmp_seqs) c;
+    IF cardinality(p_cmp_domains) > 0 THEN
+        SELECT c.s_domain, c.s_want, c.s_got INTO s_domain, s_want, s_got
+          FROM {s}.compare_(p_cmp_domains, p_cmp_seqs) c;
+    END IF;
     IF s_domain IS NULL AND p_own_seq IS NOT NULL THEN
         v := {s}.at_(cur.domain);
         IF v <> p_own_seq THEN s_domain := cur.domain; s_want := p_own_seq; s_got := v; END IF;

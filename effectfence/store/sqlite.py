@@ -104,6 +104,12 @@ _STATES = {s.value: s for s in State}
 _IN_FLIGHT = State.IN_FLIGHT.value
 _COLS = ", ".join(RECORD_FIELDS)
 _ICOLS = ", ".join(f"i.{c}" for c in RECORD_FIELDS)
+# a record's columns after ``intent``, then the intent: the parameters of both statements
+_INSERT = (
+    f"INSERT INTO intents ({', '.join(RECORD_FIELDS[1:])}, intent) "
+    f"VALUES ({', '.join('?' * len(RECORD_FIELDS))})"
+)
+_UPDATE = f"UPDATE intents SET {', '.join(f'{c} = ?' for c in RECORD_FIELDS[1:])} WHERE intent = ?"
 _SYNC = {"full": "FULL", "normal": "NORMAL"}
 
 _SCHEMA = """
@@ -516,11 +522,14 @@ class SQLiteStore(FenceStore):
             reclaim_at if reclaim_at < NEVER else math.inf,
         )
 
-    def _put(self, conn: sqlite3.Connection, rec: IntentRecord, cert_json: bytes | None) -> None:
+    def _put(
+        self, conn: sqlite3.Connection, rec: IntentRecord, cert_json: bytes | None, *, new: bool
+    ) -> None:
+        """Write a whole record: an UPDATE in place of one that exists (not INSERT OR
+        REPLACE, which deletes the row and inserts it again: every index written twice)."""
         conn.execute(
-            f"INSERT OR REPLACE INTO intents ({_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            _INSERT if new else _UPDATE,
             (
-                rec.intent,
                 rec.state.value,
                 rec.token,
                 rec.fingerprint,
@@ -533,6 +542,7 @@ class SQLiteStore(FenceStore):
                 rec.since,
                 rec.seq,
                 encode_deadline(rec.reclaim_at),
+                rec.intent,
             ),
         )
 
@@ -731,7 +741,7 @@ class SQLiteStore(FenceStore):
             seq,
             now + reclaim_after,
         )
-        self._put(conn, rec, None)
+        self._put(conn, rec, None, new=cur is None)
         head = EMPTY_HEAD if head_hash is None else Head(head_hash, json.loads(head_clock))
         return Step(APPLIED, rec, cur, head)
 
@@ -810,7 +820,7 @@ class SQLiteStore(FenceStore):
                 seq=cur.seq,
                 reclaim_at=now + stale_reclaim_after,
             )
-            self._put(conn, rec, None)
+            self._put(conn, rec, None, new=False)
             return Step(STALE, rec, cur, stale=stale)
         until = now + result_ttl
         rec = IntentRecord(
@@ -828,7 +838,7 @@ class SQLiteStore(FenceStore):
             cur.seq,
             now + reclaim_after,
         )
-        self._put(conn, rec, cert_json)
+        self._put(conn, rec, cert_json, new=False)
         old = conn.execute("SELECT clock FROM domains WHERE domain = ?", (cur.domain,)).fetchone()
         merged = merge_counts(
             json.loads(old[0]) if old is not None and old[0] is not None else {},
@@ -869,7 +879,7 @@ class SQLiteStore(FenceStore):
         if new is None:
             conn.execute("DELETE FROM intents WHERE intent = ? AND token = ?", (intent, token))
         else:
-            self._put(conn, new, None)
+            self._put(conn, new, None, new=False)
         return Step(APPLIED, new, cur)
 
     def fail(self, intent: str, token: int, reason: str, *, reclaim_after: float) -> Step:
@@ -997,12 +1007,12 @@ class SQLiteStore(FenceStore):
     def _sweep_batch(self, conn: sqlite3.Connection, batch: int) -> int:
         now, _ = self._tick(conn)
         cur = conn.execute(
-            "DELETE FROM intents WHERE rowid IN (SELECT rowid FROM intents "
+            "DELETE FROM intents WHERE intent IN (SELECT intent FROM intents "
             "WHERE reclaim_at <= ?1 ORDER BY reclaim_at LIMIT ?2) AND reclaim_at <= ?1",
             (now, batch),
         )
         conn.execute(
-            "DELETE FROM certs WHERE rowid IN (SELECT rowid FROM certs "
+            "DELETE FROM certs WHERE (domain, seq) IN (SELECT domain, seq FROM certs "
             "WHERE keep_until <= ?1 AND keep_until < 1e300 ORDER BY keep_until LIMIT ?2)",
             (now, batch),
         )
