@@ -62,7 +62,7 @@ from effectfence.protocol import (
     reclaim_after,
     recommit,
 )
-from effectfence.store.base import APPLIED, BUSY, RACE, STALE, FenceStore, Step
+from effectfence.store.base import APPLIED, BUSY, MOVED, RACE, STALE, FenceStore, Step
 from effectfence.store.cmemory import memory_store
 from effectfence.store.memory import MemoryStore
 
@@ -278,6 +278,7 @@ class EffectFence:
         self._now = store.now
         self._read = store.read
         self._due = store.due
+        self._put_first = store.put_first
         # the memory store keeps the payload itself: skip a call that returns its argument
         self._fp_is_payload = type(store).fingerprint_of is MemoryStore.fingerprint_of
         self._auto = cfg.auto_sweep
@@ -396,19 +397,25 @@ class EffectFence:
         """prepare, from the payload on: observe, ask the protocol, carry out one step."""
         intent = request.intent
         store = self.store
-        rec, now = self._read(intent)  # one round trip: a replay is this one read
-        if self._auto:
-            if now >= self._sweep_due:
-                self._auto_sweep(now)
-                rec, now = self._read(intent)
-            elif self._due(now):  # keep pace with admission: a few due records per call
-                self.sweep(REAP_BATCH)
         compare, reserve_at, contradiction = plan_claim(
             request.read_set, request.domain, request.expected_seq
         )
-        for attempt in range(_MAX_MOVES):
-            if attempt:
+        if self._put_first and contradiction is None:
+            # claim as if the slot were empty: the claim's compare-and-set is the observation
+            rec, now = None, -math.inf
+        else:
+            rec, now = self._read(intent)  # one round trip: a replay is this one read
+            if self._auto:
+                if now >= self._sweep_due:
+                    self._auto_sweep(now)
+                    rec, now = self._read(intent)
+                elif self._due(now):  # keep pace with admission: a few due records per call
+                    self.sweep(REAP_BATCH)
+        seen = True  # rec and now are an observation to decide on
+        for _ in range(_MAX_MOVES):
+            if not seen:
                 rec, now = self._read(intent)
+            seen = False
             row, action = decide_prepare(rec, now, fp)
             if action is _REPLAY:
                 self._inc(self._slot_replayed)
@@ -433,6 +440,10 @@ class EffectFence:
                 reserve_at=reserve_at,
             )
             outcome = step.outcome
+            if step.now is not None:  # a put-first claim: what it found, at the store's now
+                rec, now, seen = step.found, step.now, outcome is MOVED
+                if self._auto and now >= self._sweep_due:
+                    self._auto_sweep(now)
             if outcome is APPLIED:
                 return self._admit(request, fp, args_json, step, action is _TAKEOVER)
             if outcome is STALE:

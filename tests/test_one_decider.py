@@ -107,6 +107,33 @@ def test_a_commit_reads_nothing_before_its_step(store_kind: str) -> None:
 
 
 @pytest.mark.parametrize("store_kind", sorted(STORES))
+def test_round_trips_of_a_fresh_attempt_and_a_replay(store_kind: str) -> None:
+    """Read-first stores: a fresh attempt reads, then claims; a replay is the read alone.
+    Put-first stores (a claim that finds a record costs no more than a read): a fresh
+    attempt is the claim alone, and a replay is that claim, refused, judged at its now."""
+    inner = STORES[store_kind](FakeClock())
+    store = HookedStore(inner)
+    store.put_first = inner.put_first
+    fence = EffectFence(FenceConfig(auto_sweep=False), store=store)
+    calls: list[str] = []
+
+    def spy() -> None:
+        for op in ("get", "claim", "complete"):
+            store.hooks[op] = [lambda op=op: calls.append(op)] * 4
+
+    request = EffectRequest("pay:1", "acct", "pay", {"cents": 5}, "a")
+    spy()
+    t = fence.prepare(request).ticket
+    assert calls == (["claim"] if inner.put_first else ["get", "claim"])
+    cert = fence.commit(t, {"charge_id": "ch_1"})
+    calls.clear()
+    spy()
+    again = fence.prepare(request)
+    assert not again.fresh and again.cert.hash == cert.hash
+    assert calls == (["claim"] if inner.put_first else ["get"])
+
+
+@pytest.mark.parametrize("store_kind", sorted(STORES))
 def test_a_commit_with_a_ticket_altered_since_admission_is_refused(store_kind: str) -> None:
     fence = _fence(store_kind, FakeClock(), auto_sweep=False)
     t = fence.prepare(EffectRequest("pay:1", "acct", "pay", {"cents": 5}, "a")).ticket

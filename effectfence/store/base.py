@@ -92,9 +92,11 @@ class Step:
     - ``stale``: (domain, expected seq, actual seq) for STALE and RACE.
     - ``count``: attempts in flight, for BUSY; the evicted seq (or None) is ``value``.
     - ``entry``: for an operator's clear, the audit entry as the store recorded it.
+    - ``now``: the store's clock when the step ran, from a :attr:`FenceStore.put_first`
+      store's claim (the decider judges ``found`` at it); None elsewhere.
     """
 
-    __slots__ = ("count", "entry", "found", "head", "outcome", "record", "stale", "value")
+    __slots__ = ("count", "entry", "found", "head", "now", "outcome", "record", "stale", "value")
 
     def __init__(
         self,
@@ -106,6 +108,7 @@ class Step:
         count: int = 0,
         value: int | None = None,
         entry: dict[str, Any] | None = None,
+        now: float | None = None,
     ) -> None:
         self.outcome = outcome
         self.record = record
@@ -115,6 +118,7 @@ class Step:
         self.count = count
         self.value = value
         self.entry = entry
+        self.now = now
 
     @property
     def ok(self) -> bool:
@@ -153,6 +157,12 @@ class FenceStore(ABC):
     #: True when the store is shared with other processes: waiting duplicates cannot rely on
     #: the fence's in-process wake-ups alone and ask :meth:`wait_for_change`
     shared: bool = False
+    #: True when a claim that finds a record costs no more than a read (it writes nothing
+    #: durable and holds no lock past itself: Redis). ``prepare`` then claims first, as if
+    #: the slot were empty, and judges the record a MOVED claim found at the claim's ``now``
+    #: (:attr:`Step.now`): a fresh attempt is a claim and a complete, two round trips. A
+    #: store where an attempted claim costs a write lock or a row lock reads first.
+    put_first: bool = False
 
     def fingerprint_of(self, payload: bytes) -> bytes:
         """What the store keeps to recognise "the same payload": by default its SHA-256.

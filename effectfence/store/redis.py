@@ -185,17 +185,18 @@ _CLAIM = """
 -- ARGV[5..8] the observed record's token, state, lease_until, until
 -- ARGV[9] fingerprint  ARGV[10] domain  ARGV[11] agent  ARGV[12] lease_ttl
 -- ARGV[13] reclaim_after  ARGV[14] reserve_at or ''  ARGV[15..] compared domain, seq, ...
--- -> {outcome, found record or nil, token, seq, now, head, clock, stale triple}
+-- -> {outcome, found record or nil, token, seq, now, head, clock, stale triple}; now in every
+-- answer: the store is put-first, and the decider judges what a claim found at that time
 local cur = get(KEYS[1])
 -- condition 1, slot: the record is the version the decider observed (base.same_record)
 if (cur ~= nil) ~= (ARGV[4] == '1') or (cur and not (tonumber(cur[2]) == tonumber(ARGV[5])
         and cur[1] == ARGV[6] and tonumber(cur[6]) == tonumber(ARGV[7])
         and tonumber(cur[8]) == tonumber(ARGV[8]))) then
-    return {'moved', cur or false}
+    return {'moved', cur or false, '', '', fmt(now())}
 end
 -- condition 2, compare: every (domain, seq) of the read set holds
 local stale = compare(15)
-if stale then return {'stale', cur or false, '', '', '', false, false, stale} end
+if stale then return {'stale', cur or false, '', '', fmt(now()), false, false, stale} end
 -- condition 3, reserve: compare-exchange at reserve_at, else the next seq
 local domain = ARGV[10]
 local s = redis.call('HGET', KEYS[2], 'seq')
@@ -206,7 +207,8 @@ if ARGV[14] == '' then
 else
     local have = s and tonumber(s) or floor_()
     if have ~= tonumber(ARGV[14]) then  -- lost, without creating the domain (G7)
-        return {'race', cur or false, '', '', '', false, false, {domain, ARGV[14], ifmt(have)}}
+        return {'race', cur or false, '', '', fmt(now()), false, false,
+                {domain, ARGV[14], ifmt(have)}}
     end
     seq = have + 1
 end
@@ -421,6 +423,9 @@ class RedisStore(FenceStore):
     name = "redis"
     counters_backend = "lua"
     shared = True
+    # a claim that finds a record writes nothing and holds no lock: as cheap as a read, so a
+    # fresh attempt is two round trips (claim, complete), a replay still one
+    put_first = True
 
     def __init__(
         self,
@@ -793,13 +798,15 @@ class RedisStore(FenceStore):
             raise self._unavailable("claim", exc) from exc
         outcome = out[0]
         found = self._decode(intent, out[1])
+        now = float(out[4])
         if outcome == b"moved":
-            return Step(MOVED, found=found)
+            return Step(MOVED, found=found, now=now)
         if outcome in (b"stale", b"race"):
             d, want, got = out[7]
             stale = (d.decode(), int(want), int(got))
-            return Step(STALE if outcome == b"stale" else RACE, found=found, stale=stale)
-        token, seq, now = int(out[2]), int(out[3]), float(out[4])
+            kind = STALE if outcome == b"stale" else RACE
+            return Step(kind, found=found, stale=stale, now=now)
+        token, seq = int(out[2]), int(out[3])
         rec = IntentRecord(
             intent,
             State.IN_FLIGHT,
@@ -816,7 +823,7 @@ class RedisStore(FenceStore):
             _deadline(min(now + reclaim_after, NEVER)),
         )
         head = EMPTY_HEAD if out[5] is None else Head(out[5].decode(), json.loads(out[6]))
-        return Step(APPLIED, rec, found, head)
+        return Step(APPLIED, rec, found, head, now=now)
 
     def complete(
         self,
