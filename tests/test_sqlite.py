@@ -16,6 +16,7 @@ import sqlite3
 import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -266,6 +267,40 @@ def test_locked_database_is_a_counted_store_unavailable(tmp_path: Path) -> None:
     assert fence.commit(t, "ok").verify()
     assert fence.prepare(req("new")).fresh
     store.close()
+
+
+def test_threads_of_one_process_queue_for_the_write_lock(tmp_path: Path) -> None:
+    """Writers of one process wait on the store's own lock, not SQLite's busy handler: even
+    with busy_timeout=0, a write that meets another thread's transaction waits for it."""
+    path = str(tmp_path / "q.db")
+    store = SQLiteStore(path, busy_timeout=0)
+    other = SQLiteStore(path, busy_timeout=0)  # a second handle on the file, same process
+    fence = EffectFence(FenceConfig(auto_sweep=False), store=other)
+    inside, second_done = threading.Event(), threading.Event()
+    outcome: dict[str, Any] = {}
+
+    def hold(conn: sqlite3.Connection) -> None:
+        inside.set()
+        # the second writer cannot finish while this transaction is open; it returns
+        # at once only if it was refused instead of queued
+        outcome["second_finished_first"] = second_done.wait(0.3)
+
+    def first() -> None:
+        store._write("hold", hold)
+
+    t = threading.Thread(target=first)
+    t.start()
+    assert inside.wait(10)
+    try:
+        outcome["second"] = fence.prepare(req("queued")).fresh
+    except StoreUnavailable as exc:
+        outcome["second"] = exc
+    second_done.set()
+    t.join(10)
+    assert outcome["second"] is True, outcome
+    assert outcome["second_finished_first"] is False
+    store.close()
+    other.close()
 
 
 def _busy_then_open(store_cls: type[SQLiteStore], refusals: int) -> Any:

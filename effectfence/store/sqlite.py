@@ -100,6 +100,29 @@ _REBASE_AFTER = 1.0
 _SWEEP_BATCH = 1000
 _CERT_CACHE = 4096
 
+#: one writer lock per database file per process. Threads of one process queue on it and are
+#: woken the moment the writer before them commits; without it they meet SQLite's busy
+#: handler, which sleeps 1, 2, 5 ... 100 ms between polls (measured: p99 0.44 s, against
+#: 0.04 s with it, at 8 HTTP clients on one server). Other processes still wait in the busy
+#: handler, as they must. Reentrant, so a nested write fails in SQLite, never hangs here.
+_WRITERS: dict[str, threading.RLock] = {}
+_WRITERS_LOCK = threading.Lock()
+
+
+def _writer_lock(path: str) -> threading.RLock:
+    with _WRITERS_LOCK:
+        return _WRITERS.setdefault(path, threading.RLock())
+
+
+def _reset_writers_after_fork() -> None:
+    # a thread of the parent may have held one at fork: the child's copy would stay held
+    _WRITERS_LOCK._at_fork_reinit()  # type: ignore[attr-defined]
+    for lock in _WRITERS.values():
+        lock._at_fork_reinit()  # type: ignore[attr-defined]
+
+
+os.register_at_fork(after_in_child=_reset_writers_after_fork)
+
 _STATES = {s.value: s for s in State}
 _IN_FLIGHT = State.IN_FLIGHT.value
 _COLS = ", ".join(RECORD_FIELDS)
@@ -237,6 +260,7 @@ class SQLiteStore(FenceStore):
         self._cert_cache: dict[bytes, Any] = {}
         self._key: bytes | None = None
         self._key_lock = threading.Lock()
+        self._writer = _writer_lock(self.path)
         if not os.path.exists(self.path):
             # the file holds the ticket sealing key: readable by its owner only
             try:
@@ -332,13 +356,14 @@ class SQLiteStore(FenceStore):
         except sqlite3.Error as exc:
             raise self._unavailable(op, exc) from exc
         try:
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                out = body(conn, *args)
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-            conn.execute("COMMIT")
+            with self._writer:
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    out = body(conn, *args)
+                except BaseException:
+                    conn.execute("ROLLBACK")
+                    raise
+                conn.execute("COMMIT")
         except sqlite3.Error as exc:
             self._discard(conn)
             raise self._unavailable(op, exc) from exc
