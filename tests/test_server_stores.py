@@ -259,6 +259,46 @@ def test_pg_reply_lost_after_commit_is_not_a_lie(pg: Any) -> None:
     assert len(list(pg.certs("order:777"))) == 1
 
 
+def test_pg_a_version_2_process_commits_after_the_schema_is_upgraded(
+    pg: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rolling upgrade: a process that started on version-2 code (its ``complete`` has no
+    fingerprint) still commits what it holds once the schema is upgraded under it; were its
+    commit to fail, the effect would run again after its lease lapsed."""
+    from psycopg import sql
+
+    v2 = (
+        sql.SQL(
+            "SELECT * FROM {}.complete(%s, %s, %s, %s, %s::jsonb, %s, %s, %s::text[], "
+            "%s::bigint[], %s::bigint, %s, %s, %s, %s::float8)"
+        )
+        .format(sql.Identifier(pg.schema))
+        .as_bytes(None)
+    )
+    real = pg._run
+    sent: list[int] = []
+
+    def as_version_2(op: str, query: Any, params: Any) -> Any:
+        if op == "complete":  # what version-2 code sent: no fingerprint after the token
+            sent.append(len(params))
+            query, params = v2, (*params[:2], *params[3:])
+        return real(op, query, params)
+
+    monkeypatch.setattr(pg, "_run", as_version_2)
+    fence = EffectFence(store=pg)
+    holder = fence.prepare(req()).ticket
+    cert = fence.commit(holder, "charged")
+    assert sent == [15] and cert.verify()
+    assert pg.get("charge:1").state is State.DONE
+    assert fence.prepare(req(agent="b")).cert.hash == cert.hash
+    # the shim keeps compare-by-token: a ticket whose lease moved on is still refused
+    other = fence.prepare(req("charge:2")).ticket
+    pg.release("charge:2", other.token)
+    fence.prepare(req("charge:2"))
+    with pytest.raises(LeaseLost):
+        fence.commit(other, "late")
+
+
 def test_pg_idle_connections_cut_before_a_step_cost_a_reconnect(pg: Any) -> None:
     fence = EffectFence(store=pg)
     fence.prepare(req("warm"))  # the pool holds a connection

@@ -84,8 +84,11 @@ __all__ = ["DEFAULT_SCHEMA", "SCHEMA_VERSION", "PostgresStore", "StoreSchemaErro
 #: the schema this code writes; a schema with a newer version is refused, never half-read.
 #: 2: the ``audit`` table and ``clear_if`` (an older schema gains them when next opened)
 #: 3: ``complete`` compares the ticket's fingerprint with its token (the fence commits
-#: without reading first); the version-2 function is dropped when a schema is upgraded
-SCHEMA_VERSION = 3
+#: without reading first)
+#: 4: the version-2 ``complete`` stays, as a shim over the new one: a process still running
+#: version-2 code when the schema is upgraded can commit what it holds (without it, its
+#: effect ran, its commit failed, and the lapsed lease was taken over: a double execution)
+SCHEMA_VERSION = 4
 DEFAULT_SCHEMA = "effectfence"
 DEFAULT_POOL_MAX = 8
 #: seconds to wait for a pooled connection (or a new one) before reporting unavailable
@@ -303,8 +306,6 @@ BEGIN
     outcome := 'applied';
 END $$;
 
-DROP FUNCTION IF EXISTS {s}.complete(text, bigint, bytea, text, jsonb, float8, float8, text[],
-    bigint[], bigint, text, float8, float8, float8);
 CREATE OR REPLACE FUNCTION {s}.complete(
     p_intent text, p_token bigint, p_fp bytea, p_cert bytea, p_hash text, p_clock jsonb,
     p_result_ttl float8, p_reclaim_after float8, p_cmp_domains text[], p_cmp_seqs bigint[],
@@ -365,6 +366,26 @@ BEGIN
     PERFORM pg_notify({ch}, md5(p_intent));
     outcome := 'applied';
 END $$;
+
+-- version 2's signature, for processes that were running when the schema was upgraded:
+-- their code read the record and checked the payload before this step, so the record's own
+-- fingerprint is passed on (a record changed since then has another token: 'moved')
+CREATE OR REPLACE FUNCTION {s}.complete(
+    p_intent text, p_token bigint, p_cert bytea, p_hash text, p_clock jsonb,
+    p_result_ttl float8, p_reclaim_after float8, p_cmp_domains text[], p_cmp_seqs bigint[],
+    p_own_seq bigint, p_stale_reason text, p_stale_reclaim_after float8, p_keep float8,
+    p_now float8,
+    OUT outcome text, OUT f_state text, OUT f_token bigint, OUT f_fingerprint bytea,
+    OUT f_domain text, OUT f_agent text, OUT f_lease_until float8, OUT f_cert bytea,
+    OUT f_until float8, OUT f_reason text, OUT f_since float8, OUT f_seq bigint,
+    OUT f_reclaim_at float8, OUT r_now float8,
+    OUT s_domain text, OUT s_want bigint, OUT s_got bigint)
+LANGUAGE sql AS $$
+    SELECT * FROM {s}.complete(p_intent, p_token,
+        (SELECT fingerprint FROM {s}.intents WHERE intent = p_intent), p_cert, p_hash, p_clock,
+        p_result_ttl, p_reclaim_after, p_cmp_domains, p_cmp_seqs, p_own_seq, p_stale_reason,
+        p_stale_reclaim_after, p_keep, p_now)
+$$;
 
 -- fail, release, renew: compare-by-token on the in-flight record
 CREATE OR REPLACE FUNCTION {s}.finish(
