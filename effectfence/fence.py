@@ -530,11 +530,9 @@ class EffectFence:
         return Fresh(ticket, takeover)
 
     # -- ticket operations ------------------------------------------------------------------------
-    def _check_ticket(
-        self, op: str, ticket: PreparedEffect
-    ) -> tuple[bytes, TicketVerdict, IntentRecord | None, Refusal | None]:
+    def _check_ticket(self, op: str, ticket: PreparedEffect) -> None:
         """Judge a ticket against the record now (G2); refuse one whose payload is not the
-        admitted one. Returns (canonical args, verdict, record, refusal to raise)."""
+        admitted one."""
         if type(ticket) is not PreparedEffect:
             raise InvalidTicket(f"{op} takes a PreparedEffect ticket, got {type(ticket).__name__}")
         store = self.store
@@ -549,15 +547,9 @@ class EffectFence:
             assert refusal is not None
             raise refusal
         assert rec is not None
-        fp, args_json = self._ticket_payload(ticket)
-        if rec.fingerprint != fp:
+        if rec.fingerprint != self._ticket_payload(ticket)[0]:
             self._count("refused_ticket_ops")
-            raise InvalidTicket(
-                f"can't {op} {ticket.intent!r}: the ticket's payload is not the admitted one",
-                intent=ticket.intent,
-                token=ticket.token,
-            )
-        return args_json, verdict, rec, refusal
+            raise _not_admitted(op, ticket)
 
     def _ticket_payload(self, ticket: PreparedEffect) -> tuple[bytes, bytes]:
         """(fingerprint, canonical args) of the payload a ticket carries: as admitted, or
@@ -584,9 +576,7 @@ class EffectFence:
         self._count("refused_ticket_ops")
         _, refusal = judge_ticket(op, found, self.store.now(), ticket.intent, ticket.token)
         if refusal is None:  # the record moved and moved back: still not ours to finish
-            refusal = LeaseLost(
-                f"can't {op} {ticket.intent!r}: the lease moved", intent=ticket.intent
-            )
+            refusal = _moved(op, ticket.intent)
         return refusal
 
     def commit(self, ticket: PreparedEffect, result: Any) -> EffectCert:
@@ -696,15 +686,11 @@ class EffectFence:
                 return again  # type: ignore[no-any-return]
         self._count("refused_ticket_ops")
         if verdict is _ALLOW and found is not None and found.fingerprint == fp:
-            raise LeaseLost(f"can't commit {intent!r}: the lease moved", intent=intent)
+            raise _moved("commit", intent)
         if verdict is _ALLOW:
             # in flight under this ticket's token, yet the step did not apply: the ticket
             # does not carry the payload that was admitted
-            raise InvalidTicket(
-                f"can't commit {intent!r}: the ticket's payload is not the admitted one",
-                intent=intent,
-                token=ticket.token,
-            )
+            raise _not_admitted("commit", ticket)
         assert refusal is not None
         raise refusal
 
@@ -933,6 +919,19 @@ class EffectFence:
             self._count("invalid_request")
             raise
         return self.prepare(request)
+
+
+def _moved(op: str, intent: str) -> LeaseLost:
+    """The step found the record no longer in flight under the ticket: not ours to finish."""
+    return LeaseLost(f"can't {op} {intent!r}: the lease moved", intent=intent)
+
+
+def _not_admitted(op: str, ticket: PreparedEffect) -> InvalidTicket:
+    return InvalidTicket(
+        f"can't {op} {ticket.intent!r}: the ticket's payload is not the admitted one",
+        intent=ticket.intent,
+        token=ticket.token,
+    )
 
 
 def _snapshot(rec: IntentRecord, row: Row, now: float) -> dict[str, Any]:
