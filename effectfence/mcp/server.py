@@ -412,8 +412,12 @@ class _FenceTools:
         self.offload = fence.store.name != "memory"
         self.idle_sweeps = 0
 
-    def _lease_left(self, ticket: PreparedEffect) -> float:
-        return max(0.0, ticket.lease_until - self.fence.store.now())
+    @staticmethod
+    def _lease_left(granted: float, since: float) -> float:
+        """Seconds the lease surely has left: a step that began after ``since``
+        (``perf_counter``) granted it ``granted`` s on the store's clock. No store read: on a
+        server store that read was a round trip on every fresh prepare and renew."""
+        return max(0.0, granted - (time.perf_counter() - since))
 
     def _agent(self, req: PrepareInput, d: Decision) -> str:
         if d.principal is not None:
@@ -474,7 +478,7 @@ class _FenceTools:
                 token=ticket.token,
                 seq=ticket.seq,
                 takeover=takeover,
-                lease_expires_in=self._lease_left(ticket),
+                lease_expires_in=self._lease_left(self.fence.config.lease_ttl, t0),
             )
             return _ok(
                 out,
@@ -549,7 +553,9 @@ class _FenceTools:
         out = RenewOutput(
             status="renewed",
             intent=ticket.intent,
-            lease_expires_in=self._lease_left(ticket),
+            lease_expires_in=self._lease_left(
+                self.fence.config.lease_ttl if req.ttl is None else req.ttl, t0
+            ),
             prepared=self.signer.seal(ticket),
         )
         return _ok(out, f"RENEWED: lease on {ticket.intent!r} extended.")
