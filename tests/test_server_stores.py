@@ -299,6 +299,59 @@ def test_pg_a_version_2_process_commits_after_the_schema_is_upgraded(
         fence.commit(other, "late")
 
 
+def test_pg_notifies_only_the_transitions_someone_waits_for(pg: Any) -> None:
+    """A NOTIFY takes a database-wide lock at commit: steps no waiter registered for send
+    none, and a registered waiter gets exactly one for the next transition."""
+    import hashlib
+
+    import psycopg
+
+    got: list[str] = []
+    with psycopg.connect(PG_DSN, autocommit=True) as listen:
+        listen.add_notify_handler(lambda n: got.append(n.payload))
+        listen.execute(f'LISTEN "{pg._channel}"')
+
+        def delivered() -> list[str]:
+            listen.execute("SELECT 1")  # pending notifications arrive with the answer
+            return list(got)
+
+        fence = EffectFence(store=pg)
+        fence.commit(fence.prepare(req("quiet")).ticket, "r")
+        t = fence.prepare(req("held")).ticket
+        fence.renew(t)
+        assert delivered() == [], "no waiter, no NOTIFY"
+        assert pg._watch("held").token == t.token  # what a waiter in another process does
+        fence.commit(t, "r")
+        key = hashlib.md5(b"held", usedforsecurity=False).hexdigest()
+        assert delivered() == [key]
+        fence.prepare(req("held", agent="b"))  # a replay changes nothing; registration is spent
+        assert delivered() == [key]
+
+
+def test_pg_waiter_in_another_process_is_woken_by_the_commit(pg: Any) -> None:
+    from effectfence.store.postgres import PostgresStore
+
+    holder = EffectFence(FenceConfig(lease_ttl=60.0), store=pg)
+    ticket = holder.prepare(req()).ticket
+    other = PostgresStore(PG_DSN, schema=pg.schema, pool_max=2)
+    other._waiters.poll = 120.0  # no re-reads: only the NOTIFY can end the wait early
+    waiter = EffectFence(FenceConfig(lease_ttl=60.0), store=other)
+    done: list[bool] = []
+    t = threading.Thread(target=lambda: done.append(waiter.wait("charge:1", 50.0)))
+    t.start()
+    with _pg_admin() as admin:
+        until(
+            lambda: admin.execute(
+                f'SELECT 1 FROM "{pg.schema}".watch WHERE intent = %s', ("charge:1",)
+            ).fetchone(),
+            "the waiter's registration",
+        )
+    holder.commit(ticket, "r")
+    t.join(timeout=20)
+    other.close()
+    assert done == [True], "woken by the commit, well before the 50 s wait ran out"
+
+
 def test_pg_idle_connections_cut_before_a_step_cost_a_reconnect(pg: Any) -> None:
     fence = EffectFence(store=pg)
     fence.prepare(req("warm"))  # the pool holds a connection

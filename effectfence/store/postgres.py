@@ -24,8 +24,11 @@ Design
   client's clock. ``clock=`` replaces it with a parameter of every statement: it exists for
   tests (a fake clock drives leases without sleeping), never for production.
 - Sweeps cost O(expired): a partial index on ``reclaim_at`` holds only finite deadlines.
-- ``wait_for_change``: every transition ``NOTIFY``s the schema's channel with the md5 of the
-  intent; waiters ``LISTEN`` on one dedicated connection per store object.
+- ``wait_for_change``: waiters ``LISTEN`` on one dedicated connection per store object and
+  register the intent in ``watch``, in the statement that reads it (``watch_``); a
+  transition of a registered intent ``NOTIFY``s the schema's channel with its md5 and spends
+  the registration (``changed_``). A NOTIFY takes a database-wide lock at commit, so steps
+  nobody waits for, nearly all of them, send none.
 - Durability: every statement commits with ``synchronous_commit`` on. A session found with
   it off (server or role default) is switched on, and :meth:`PostgresStore.describe` says so.
 
@@ -88,7 +91,9 @@ __all__ = ["DEFAULT_SCHEMA", "SCHEMA_VERSION", "PostgresStore", "StoreSchemaErro
 #: 4: the version-2 ``complete`` stays, as a shim over the new one: a process still running
 #: version-2 code when the schema is upgraded can commit what it holds (without it, its
 #: effect ran, its commit failed, and the lapsed lease was taken over: a double execution)
-SCHEMA_VERSION = 4
+#: 5: ``watch``: a transition notifies only when a waiter registered for the intent (a NOTIFY
+#: takes a database-wide lock at commit, serializing every step that sends one)
+SCHEMA_VERSION = 5
 DEFAULT_SCHEMA = "effectfence"
 DEFAULT_POOL_MAX = 8
 #: seconds to wait for a pooled connection (or a new one) before reporting unavailable
@@ -159,6 +164,9 @@ CREATE TABLE IF NOT EXISTS {s}.audit (
 );
 CREATE INDEX IF NOT EXISTS audit_intent ON {s}.audit (intent, id);
 
+-- the intents a waiter in some process is blocked on (see changed_ and watch_)
+CREATE TABLE IF NOT EXISTS {s}.watch (intent text PRIMARY KEY);
+
 CREATE OR REPLACE FUNCTION {s}.now_(p_now float8) RETURNS float8 LANGUAGE sql VOLATILE AS $$
     SELECT coalesce(p_now, extract(epoch FROM clock_timestamp())::float8) $$;
 
@@ -211,6 +219,28 @@ BEGIN
             s_domain := p_domains[i]; s_want := p_seqs[i]; s_got := v; RETURN;
         END IF;
     END LOOP;
+END $$;
+
+-- a step changed p_intent's record: wake its waiters, if it has any. A NOTIFY takes a
+-- database-wide lock at commit, so a step no one waits for sends none.
+CREATE OR REPLACE FUNCTION {s}.changed_(p_intent text) RETURNS void LANGUAGE plpgsql AS $$
+BEGIN
+    DELETE FROM {s}.watch WHERE intent = p_intent;
+    IF FOUND THEN PERFORM pg_notify({ch}, md5(p_intent)); END IF;
+END $$;
+
+-- a waiter registers, and reads the record, in one statement. FOR SHARE waits for a step
+-- holding the row (FOR UPDATE) to commit, and then reads what it wrote; a step that comes
+-- later sees the registration. Either way no transition is missed.
+CREATE OR REPLACE FUNCTION {s}.watch_(p_intent text) RETURNS SETOF {s}.intents
+LANGUAGE plpgsql AS $$
+DECLARE cur {s}.intents%ROWTYPE;
+BEGIN
+    SELECT * INTO cur FROM {s}.intents WHERE intent = p_intent FOR SHARE;
+    IF FOUND THEN
+        INSERT INTO {s}.watch (intent) VALUES (p_intent) ON CONFLICT DO NOTHING;
+        RETURN NEXT cur;
+    END IF;
 END $$;
 
 CREATE OR REPLACE FUNCTION {s}.claim(
@@ -302,7 +332,7 @@ BEGIN
             RAISE EXCEPTION USING ERRCODE = 'EF001', MESSAGE = 'effectfence: slot taken';
         END IF;
     END IF;
-    PERFORM pg_notify({ch}, md5(p_intent));
+    PERFORM {s}.changed_(p_intent);
     outcome := 'applied';
 END $$;
 
@@ -351,7 +381,7 @@ BEGIN
             reason = p_stale_reason, since = r_now,
             reclaim_at = {s}.deadline_(r_now + p_stale_reclaim_after)
          WHERE intent = p_intent;
-        PERFORM pg_notify({ch}, md5(p_intent));
+        PERFORM {s}.changed_(p_intent);
         outcome := 'stale'; RETURN;
     END IF;
     UPDATE {s}.intents SET state = 'done', lease_until = 0, cert = p_cert,
@@ -363,7 +393,7 @@ BEGIN
     INSERT INTO {s}.certs (domain, seq, hash, cert, committed_at, keep_until)
         VALUES (cur.domain, cur.seq, p_hash, p_cert, r_now,
                 {s}.deadline_(r_now + p_result_ttl + p_keep));
-    PERFORM pg_notify({ch}, md5(p_intent));
+    PERFORM {s}.changed_(p_intent);
     outcome := 'applied';
 END $$;
 
@@ -420,7 +450,7 @@ BEGIN
             reclaim_at = {s}.deadline_(r_now + p_reclaim_after)
          WHERE intent = p_intent;
     END IF;
-    PERFORM pg_notify({ch}, md5(p_intent));
+    PERFORM {s}.changed_(p_intent);
     outcome := 'applied';
 END $$;
 
@@ -428,7 +458,7 @@ CREATE OR REPLACE FUNCTION {s}.clear(p_intent text) RETURNS SETOF {s}.intents
 LANGUAGE plpgsql AS $$
 BEGIN
     RETURN QUERY DELETE FROM {s}.intents WHERE intent = p_intent RETURNING *;
-    IF FOUND THEN PERFORM pg_notify({ch}, md5(p_intent)); END IF;
+    IF FOUND THEN PERFORM {s}.changed_(p_intent); END IF;
 END $$;
 
 -- the operator's clear: compare-and-delete of the version the decider judged
@@ -459,7 +489,7 @@ BEGIN
     DELETE FROM {s}.intents WHERE intent = p_intent;
     INSERT INTO {s}.audit (intent, at, entry) VALUES (p_intent, a_at, p_entry)
         RETURNING id INTO a_id;
-    PERFORM pg_notify({ch}, md5(p_intent));
+    PERFORM {s}.changed_(p_intent);
     outcome := 'applied';
 END $$;
 
@@ -489,6 +519,9 @@ BEGIN
          ORDER BY reclaim_at LIMIT p_limit FOR UPDATE SKIP LOCKED)
       AND reclaim_at <= t;  -- re-checked on the version locked: only the one that set it
     GET DIAGNOSTICS n = ROW_COUNT;
+    -- registrations of waiters gone with their records (the table holds a few rows at most)
+    DELETE FROM {s}.watch w WHERE NOT EXISTS (
+        SELECT 1 FROM {s}.intents i WHERE i.intent = w.intent);
     DELETE FROM {s}.certs WHERE (domain, seq) IN (
         SELECT domain, seq FROM {s}.certs WHERE keep_until <= t AND keep_until < 1e300
          ORDER BY keep_until LIMIT p_limit FOR UPDATE SKIP LOCKED);
@@ -742,6 +775,7 @@ class PostgresStore(FenceStore):
         s = self._s
         q = sql.SQL
         self._q_get = q("SELECT " + _F + " FROM {}.intents WHERE intent = %s").format(s)
+        self._q_watch = q("SELECT " + _F + " FROM {}.watch_(%s)").format(s)
         self._q_read = q(
             "SELECT {}.now_(%s::float8), " + ", ".join(f"i.{c}" for c in RECORD_FIELDS) + " "
             "FROM (SELECT 1) AS one LEFT JOIN {}.intents i ON i.intent = %s"
@@ -1387,7 +1421,16 @@ class PostgresStore(FenceStore):
     def wait_for_change(self, intent: str, seen: IntentRecord | None, timeout: float) -> bool:
         """Woken by the NOTIFY of the intent's next transition in any process."""
         key = hashlib.md5(intent.encode(), usedforsecurity=False).hexdigest()
-        return self._waiters.wait(key, seen, timeout, lambda: self.get(intent), self._listening)
+        return self._waiters.wait(key, seen, timeout, lambda: self._watch(intent), self._listening)
+
+    def _watch(self, intent: str) -> IntentRecord | None:
+        """:meth:`get`, registering this process as a waiter for the intent's next
+        transition (only a registered intent's transitions send a NOTIFY)."""
+        try:
+            rows = self._run("watch", self._q_watch, (intent,))
+        except _Lost as exc:
+            raise self._unavailable("watch", exc) from exc
+        return self._decode(intent, rows[0][1:]) if rows else None
 
     # -- lifetime -----------------------------------------------------------------------------
     def close(self) -> None:
