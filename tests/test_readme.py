@@ -34,3 +34,16 @@ def test_python_examples_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     first = charge(123, 500)
     assert charge(123, 500) == first  # the duplicate is served the recorded result
     assert len(bank.charges) == 2  # one from the prepare/commit example, one from charge()
+
+
+ROOT = Path(__file__).parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_lead_somewhere(doc: Path) -> None:
+    """Every page the docs link to exists."""
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", doc.read_text())
+    local = [t for t in targets if "://" not in t and not t.startswith("mailto:")]
+    missing = [t for t in local if not (doc.parent / t).exists()]
+    assert not missing, f"{doc.name} links to missing files: {missing}"
