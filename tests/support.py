@@ -100,8 +100,34 @@ _probed: dict[str, str | None] = {}
 
 
 def unique_name(kind: str) -> str:
-    """A schema / key prefix no other test (or process) uses."""
-    return f"t_{kind}_{os.getpid()}_{next(_names)}_{os.urandom(3).hex()}"
+    """A schema / key prefix no other test (or process) uses; dropped when the process
+    exits, should the test that made it not get there (an interrupted run, a failure)."""
+    name = f"t_{kind}_{os.getpid()}_{next(_names)}_{os.urandom(3).hex()}"
+    _made.append((kind, name))
+    return name
+
+
+_made: list[tuple[str, str]] = []
+
+
+def _drop_what_was_made() -> None:
+    """At exit: what :func:`unique_name` handed out is gone from the shared servers. A
+    server that went away meanwhile has nothing left to drop."""
+    schemas = [name for kind, name in _made if kind.startswith("p")]
+    with contextlib.suppress(Exception):
+        if schemas:
+            import psycopg
+
+            with psycopg.connect(PG_DSN, autocommit=True, connect_timeout=3) as conn:
+                for name in schemas:
+                    conn.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+    for kind, name in _made:
+        if kind.startswith("redis"):
+            with contextlib.suppress(Exception):
+                drop_redis_prefix(name)
+
+
+atexit.register(_drop_what_was_made)
 
 
 def _probe(kind: str) -> str | None:
