@@ -12,8 +12,9 @@ Design
   (one row per record, codec columns), ``domains`` (seq and head per domain), ``fence``
   (one row: the eviction floor), ``certs`` (append-only audit trail, written by the same
   statement as the commit), ``audit`` (operator clears, written by the clearing statement),
-  ``meta`` (schema version, store id, sealing key). Fencing tokens
-  come from a sequence. Created on first use, under an advisory lock; versioned.
+  ``meta`` (schema version, store id, sealing key), ``watch`` (intents a waiter is blocked
+  on). Fencing tokens come from a sequence. Created on first use, under an advisory lock;
+  versioned.
 - Locks, always in this order: the intent's row (``FOR UPDATE``), then domain rows in name
   order (the claim's read set ``FOR SHARE``, its own domain ``FOR NO KEY UPDATE``), then
   the ``fence`` row (only to create a domain, or to evict one). One order, no deadlock
