@@ -343,7 +343,7 @@ def test_console_in_a_browser(fence: EffectFence, console: ConsoleServer, browse
     ARTIFACTS.mkdir(exist_ok=True)
     browser.save_screenshot(str(ARTIFACTS / "console-failed.png"))
 
-    browser.find_element(By.LINK_TEXT, "charge:1").click()
+    _click_live(browser, "charge:1")
     wait.until(ec.presence_of_element_located((By.ID, "clear-form")))
     assert SECRET not in browser.page_source
     browser.find_element(By.ID, "clear").click()  # no reason: the form does not go
@@ -388,6 +388,21 @@ def _mcp_calls(url: str, *calls: tuple[str, dict[str, Any]]) -> list[dict[str, A
         return out
 
     return anyio.run(run)
+
+
+def _click_live(browser: Any, link_text: str) -> None:
+    """Click a link in the live intents table. The page re-renders the table on every poll,
+    so a link found may be replaced before the click lands (a stale element): find it
+    again and click the new one, until one click gets through."""
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    def click(d: Any) -> bool:
+        d.find_element(By.LINK_TEXT, link_text).click()
+        return True
+
+    WebDriverWait(browser, 20, ignored_exceptions=(StaleElementReferenceException,)).until(click)
 
 
 def _polyline_ys(browser: Any, series: str) -> list[float]:
@@ -446,7 +461,7 @@ def test_console_on_the_mcp_server_in_a_browser(browser: Any, tmp_path: Path) ->
         ARTIFACTS.mkdir(exist_ok=True)
         browser.save_screenshot(str(ARTIFACTS / "console-serve-chart.png"))
 
-        browser.find_element(By.LINK_TEXT, "charge:2").click()
+        _click_live(browser, "charge:2")
         wait.until(ec.presence_of_element_located((By.ID, "clear-form")))
         assert browser.current_url.startswith(srv.base + "/console/intent?id=")
         browser.find_element(By.ID, "reason").send_keys("the bank shows no charge; ticket #82")
