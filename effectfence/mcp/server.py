@@ -35,13 +35,15 @@ committed string result ``"[1]"`` into a list. We register :class:`Tool` objects
 published schema is our model's schema and whose function receives the raw arguments.
 
 Fence operations on the memory store take microseconds and never block, so they run inline
-on the event loop (no thread hop). On any other store they run in a worker thread, so a
-slow store never stalls the other agents a shared server is answering.
+on the event loop (no thread hop). On any other store they run on a few worker threads
+(:class:`~effectfence.driver.Offloader`), so a slow store never stalls the other agents a
+shared server is answering.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import math
 import os
@@ -64,6 +66,7 @@ from pydantic import BaseModel, ValidationError
 from effectfence import __version__
 from effectfence.cert import EffectCert, verify_chain
 from effectfence.counters import backend_info
+from effectfence.driver import Offloader
 from effectfence.errors import InvalidRequest, InvalidTicket, Refusal
 from effectfence.fence import DEFAULT_LEASE_TTL, DEFAULT_RESULT_TTL, EffectFence, FenceConfig
 from effectfence.mcp.models import (
@@ -342,7 +345,7 @@ def _tool(
                     on_invalid()
                 raise _invalid_arguments(name, exc) from None
             if offload:
-                result = await anyio.to_thread.run_sync(op, request, decision)
+                result = await tools.off_loop(op, request, decision)
             else:
                 result = op(request, decision)
         except Refusal as refusal:
@@ -410,7 +413,18 @@ class _FenceTools:
         # the memory store answers in microseconds without blocking: a thread hop would
         # cost more than the call; any other store may block, so it runs off the loop
         self.offload = fence.store.name != "memory"
+        self.offloader = Offloader(name="effectfence-mcp")
         self.idle_sweeps = 0
+
+    async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """A blocking store step, off the event loop: on our own worker threads under
+        asyncio (cheaper per call than a general pool, see :class:`Offloader`), through
+        anyio's pool under any other backend."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # not asyncio (trio): no loop of asyncio's to hand back to
+            return await anyio.to_thread.run_sync(fn, *args)
+        return await self.offloader.run(fn, *args)
 
     @staticmethod
     def _lease_left(granted: float, since: float) -> float:
@@ -724,6 +738,7 @@ def build_server(
                 yield None
             finally:
                 tg.cancel_scope.cancel()
+                tools.offloader.close()
 
     registered = [
         _tool(

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import contextlib
 import datetime
 import hashlib
@@ -55,7 +54,7 @@ from typing import Any
 import orjson
 
 from effectfence.canonical import CanonicalError, canonical_bytes
-from effectfence.driver import FencedCall, Options, run_async
+from effectfence.driver import FencedCall, Offloader, Options, run_async
 from effectfence.errors import InvalidRequest, Refusal
 from effectfence.fence import MAX_CLEAR_TEXT, EffectFence, FenceConfig
 from effectfence.model import EffectRequest, PreparedEffect
@@ -79,7 +78,10 @@ LINE_LIMIT = 1 << 26  # 64 MiB: a resource read can be large; one line is one me
 MAX_RESULT_BYTES = 16 << 20
 CHILD_EXIT_GRACE = 5.0  # s the child gets to exit after its stdin closes, then SIGTERM
 RESTART_WINDOW, RESTART_LIMIT = 30.0, 5  # more starts than this in the window: give up
-FENCE_THREADS = 2  # worker threads for fence steps on a durable store
+#: worker threads for fence steps on a durable store (the Proxy's Offloader). Its writes
+#: serialize on the store's lock anyway: a few warm threads beat a pool of cpu+4 contending
+#: for it (measured: ~1.7x calls/s at 8 callers on SQLite)
+FENCE_THREADS = 2
 DRAIN_TIMEOUT = 60.0  # s fenced calls get to finish after the client hangs up
 
 _OWN_TOOLS = ("status", "stats", "clear")
@@ -240,6 +242,7 @@ class Proxy:
 
             self.store = open_store(store_url)
         self.offload = not isinstance(self.store, MemoryStore)
+        self.offloader = Offloader(FENCE_THREADS, name="effectfence-wrap")
         self._fences: dict[tuple[float, float], EffectFence] = {}
         self.stats = WrapStats()
         self.child: Child | None = None
@@ -280,7 +283,7 @@ class Proxy:
 
     async def _fence_op(self, fn: Callable[..., Any], *args: Any) -> Any:
         if self.offload:
-            return await asyncio.to_thread(fn, *args)
+            return await self.offloader.run(fn, *args)
         return fn(*args)
 
     # -- the child's life -----------------------------------------------------------------
@@ -778,7 +781,9 @@ class Proxy:
             did_not_fire=(ChildError,) if tp.on_error == "release" else (),
         )
         try:
-            done = await run_async(fence, request, options, effect, offload=self.offload)
+            done = await run_async(
+                fence, request, options, effect, offload=self.offloader if self.offload else False
+            )
         except ChildError as exc:
             self.stats.child_errors += 1
             self.stats.tool(name, "child_error")
@@ -1028,6 +1033,7 @@ class Proxy:
         if not self._fences:
             with contextlib.suppress(Exception):
                 self.store.close()
+        self.offloader.close()
 
 
 def _era_neutral(result: dict[str, Any]) -> dict[str, Any]:
@@ -1116,14 +1122,6 @@ def main(argv: list[str] | None = None) -> int:
     store_url = args.store or _default_store_url()
 
     async def run() -> int:
-        # Fence steps on a durable store run off the loop (asyncio.to_thread). Its writes
-        # serialize on the store's lock anyway: a few warm threads beat a pool of cpu+4
-        # contending for it (measured: ~1.7x calls/s at 8 callers on SQLite).
-        asyncio.get_running_loop().set_default_executor(
-            concurrent.futures.ThreadPoolExecutor(
-                FENCE_THREADS, thread_name_prefix="effectfence-wrap"
-            )
-        )
         reader, write = await _stdio()
         try:
             proxy = Proxy(
