@@ -488,6 +488,41 @@ def test_redis_claim_reply_lost_is_unavailable_never_fresh(rs: Any) -> None:
     assert fence.stats()["prepare"]["store_unavailable"] == 1
 
 
+def test_redis_steps_survive_a_server_that_lost_its_scripts(rs: Any) -> None:
+    """Steps send EVALSHA straight on a pooled connection (no redis-py Script layer); a
+    server that forgot the scripts (a restart, SCRIPT FLUSH) answers NOSCRIPT, and the step
+    loads its script and runs, once."""
+    import redis
+
+    assert rs._s_claim._pool is not None  # the direct path is the one under test
+    fence = EffectFence(store=rs)
+    ticket = fence.prepare(req()).ticket
+    admin = redis.Redis.from_url(REDIS_URL)
+    admin.script_flush()
+    cert = fence.commit(ticket, "r")
+    admin.script_flush()
+    again = fence.prepare(req(agent="b"))
+    assert not again.fresh and again.cert.hash == cert.hash
+    admin.close()
+
+
+def test_redis_on_a_single_connection_client_goes_through_redis_py(rs: Any) -> None:
+    """A client of one connection (or a cluster) is not a plain pool: its steps go through
+    redis-py's Script, and the fence works the same on it."""
+    import redis
+
+    from effectfence.store.redis import RedisStore
+
+    one = redis.Redis.from_url(REDIS_URL, single_connection_client=True)
+    store = RedisStore(client=one, prefix=rs.prefix)
+    assert store._s_claim._pool is None
+    fence = EffectFence(store=store)
+    cert = fence.commit(fence.prepare(req("charge:single")).ticket, "r")
+    assert fence.prepare(req("charge:single", agent="b")).cert.hash == cert.hash
+    store.close()
+    one.close()
+
+
 def test_redis_reports_its_persistence(rs: Any) -> None:
     d = rs.durability()
     assert d["appendonly"] in ("yes", "no") and "verdict" in d

@@ -39,7 +39,9 @@ Errors: no connection, or an error the server answered, raises
 :class:`~effectfence.errors.StoreUnavailable`. A connection lost while a script ran may have
 lost only the reply: ticket steps re-read and answer from what the store holds, a claim
 answers unavailable (a lease it may have taken lapses like a crashed holder's). redis-py's
-own retries are off: a script is never sent twice behind the store's back.
+own retries are off: a script is never sent twice behind the store's back (the one resend is
+after NOSCRIPT, an answer that says it did not run). Steps go straight to a pooled connection
+(:class:`_Script`), not through ``Redis.execute_command``.
 """
 
 from __future__ import annotations
@@ -384,6 +386,50 @@ return {n, #due}
 """
 
 
+class _Script:
+    """One Lua step, called as redis-py's ``Script`` is: ``script(keys=..., args=...)``.
+
+    On a plain client it sends EVALSHA straight on a pooled connection, without
+    ``Redis.execute_command``'s per-command layers (retry, observability and deprecation
+    checks: ~15 us a call, a tenth of a replay here; measured EVALSHA through
+    ``Script.__call__`` ~110 us, this ~95 us, a plain GET ~93 us). What those layers do that
+    matters is kept: the pool's health check of the connection it hands out, loading the
+    script when the server lost it (a restart, SCRIPT FLUSH), and a connection broken
+    mid-reply is disconnected, never reused. Any other client (one connection, a cluster)
+    goes through redis-py's ``Script``."""
+
+    __slots__ = ("_pool", "_script", "sha")
+
+    def __init__(self, client: redis.Redis, source: str) -> None:
+        self._script = client.register_script(source)
+        self.sha = self._script.sha
+        pool = getattr(client, "connection_pool", None)
+        plain = isinstance(pool, redis.ConnectionPool) and getattr(client, "connection", 1) is None
+        self._pool: redis.ConnectionPool | None = pool if plain else None
+
+    def __call__(self, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        pool = self._pool
+        if pool is None:
+            return self._script(keys=keys, args=args)
+        conn: Any = pool.get_connection()  # redis-py's Connection is untyped
+        try:
+            conn.send_command("EVALSHA", self.sha, len(keys), *keys, *args)
+            try:
+                return conn.read_response()
+            except redis.exceptions.NoScriptError:
+                conn.send_command("SCRIPT", "LOAD", self._script.script)
+                conn.read_response()
+                conn.send_command("EVALSHA", self.sha, len(keys), *keys, *args)
+                return conn.read_response()
+        except redis.exceptions.ResponseError:
+            raise  # the server answered in full: the connection is in step, and goes back
+        except BaseException:
+            conn.disconnect()  # a reply may be half read: this connection is done
+            raise
+        finally:
+            pool.release(conn)
+
+
 class _Lost(Exception):
     """The connection broke while a script ran: it may or may not have applied."""
 
@@ -465,17 +511,17 @@ class RedisStore(FenceStore):
         self._cert_cache: dict[bytes, Any] = {}
         self._key: bytes | None = None
         r = self._r
-        self._s_read = r.register_script(_PRELUDE + _READ)
-        self._s_now = r.register_script(_PRELUDE + _NOW)
-        self._s_current = r.register_script(_PRELUDE + _CURRENT)
-        self._s_in_flight = r.register_script(_PRELUDE + _IN_FLIGHT)
-        self._s_claim = r.register_script(_PRELUDE + _CLAIM)
-        self._s_complete = r.register_script(_PRELUDE + _COMPLETE)
-        self._s_finish = r.register_script(_PRELUDE + _FINISH)
-        self._s_clear = r.register_script(_PRELUDE + _CLEAR)
-        self._s_clear_if = r.register_script(_PRELUDE + _CLEAR_IF)
-        self._s_evict = r.register_script(_PRELUDE + _EVICT)
-        self._s_sweep = r.register_script(_PRELUDE + _SWEEP)
+        self._s_read = _Script(r, _PRELUDE + _READ)
+        self._s_now = _Script(r, _PRELUDE + _NOW)
+        self._s_current = _Script(r, _PRELUDE + _CURRENT)
+        self._s_in_flight = _Script(r, _PRELUDE + _IN_FLIGHT)
+        self._s_claim = _Script(r, _PRELUDE + _CLAIM)
+        self._s_complete = _Script(r, _PRELUDE + _COMPLETE)
+        self._s_finish = _Script(r, _PRELUDE + _FINISH)
+        self._s_clear = _Script(r, _PRELUDE + _CLEAR)
+        self._s_clear_if = _Script(r, _PRELUDE + _CLEAR_IF)
+        self._s_evict = _Script(r, _PRELUDE + _EVICT)
+        self._s_sweep = _Script(r, _PRELUDE + _SWEEP)
         self._waiters = Waiters()
         self._listener: threading.Thread | None = None
         self._listener_lock = threading.Lock()
