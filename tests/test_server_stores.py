@@ -488,14 +488,27 @@ def test_redis_claim_reply_lost_is_unavailable_never_fresh(rs: Any) -> None:
     assert fence.stats()["prepare"]["store_unavailable"] == 1
 
 
-def test_redis_steps_survive_a_server_that_lost_its_scripts(rs: Any) -> None:
-    """Steps send EVALSHA straight on a pooled connection (no redis-py Script layer); a
+@pytest.fixture
+def own_rs() -> Iterator[Any]:
+    """A Redis store built from a URL: its steps go on its own connections."""
+    need("redis")
+    from effectfence.store.redis import RedisStore
+
+    prefix = unique_name("redisown")
+    store = RedisStore(with_query(REDIS_URL, client_name=prefix), prefix=prefix)
+    assert store._s_claim._conns is not None  # the store's own connections are under test
+    yield store
+    store.close()
+    drop_redis_prefix(prefix)
+
+
+def test_redis_steps_survive_a_server_that_lost_its_scripts(own_rs: Any) -> None:
+    """Steps send EVALSHA on the store's own connections (no redis-py Script layer); a
     server that forgot the scripts (a restart, SCRIPT FLUSH) answers NOSCRIPT, and the step
     loads its script and runs, once."""
     import redis
 
-    assert rs._s_claim._pool is not None  # the direct path is the one under test
-    fence = EffectFence(store=rs)
+    fence = EffectFence(store=own_rs)
     ticket = fence.prepare(req()).ticket
     admin = redis.Redis.from_url(REDIS_URL)
     admin.script_flush()
@@ -506,16 +519,84 @@ def test_redis_steps_survive_a_server_that_lost_its_scripts(rs: Any) -> None:
     admin.close()
 
 
+def test_redis_own_connections_killed_while_idle_are_replaced_before_a_claim(
+    own_rs: Any,
+) -> None:
+    """A claim on a connection the server hung up would fail ("unavailable", since a lost
+    claim may have applied). Each connection is checked before reuse: a fresh intent
+    after every connection of the store was killed is still admitted."""
+    import redis
+
+    fence = EffectFence(store=own_rs)
+    fence.commit(fence.prepare(req("charge:warm")).ticket, "r")
+    admin = redis.Redis.from_url(REDIS_URL)
+    killed = _clients(admin, own_rs.prefix)
+    assert killed
+    for cid in killed:
+        admin.client_kill_filter(_id=cid)
+    until(lambda: not set(killed) & set(_clients(admin, own_rs.prefix)), "the kills")
+    assert fence.prepare(req("charge:after-kill")).fresh
+    admin.close()
+
+
+def test_redis_a_forked_child_never_uses_its_parents_connections(own_rs: Any) -> None:
+    """A socket shared across a fork would interleave two processes' replies: the child
+    opens its own, and its steps work."""
+    import multiprocessing
+
+    fence = EffectFence(store=own_rs)
+    fence.commit(fence.prepare(req("charge:parent")).ticket, "r")
+    parents = {id(c) for c in own_rs._conns._all}
+    assert parents
+
+    def child(out: Any) -> None:
+        conn = own_rs._conns.take()
+        fresh = EffectFence(store=own_rs).prepare(req("charge:child")).fresh
+        out.send((id(conn) not in parents, fresh))
+
+    ctx = multiprocessing.get_context("fork")
+    mine, theirs = ctx.Pipe()
+    proc = ctx.Process(target=child, args=(theirs,))
+    proc.start()
+    assert mine.poll(30), "the child did not answer"
+    assert mine.recv() == (True, True)
+    proc.join(30)
+    assert proc.exitcode == 0
+    # and the parent's connections still work
+    assert fence.prepare(req("charge:parent", agent="b")).fresh is False
+
+
+def test_redis_own_connections_keep_the_max_connections_bound() -> None:
+    """max_connections bounds the store's own connections as it bounded the pool: one more
+    step while all are in use is refused as unavailable, and nothing is written."""
+    need("redis")
+    from effectfence.store.redis import RedisStore
+
+    prefix = unique_name("redismax")
+    store = RedisStore(REDIS_URL, prefix=prefix, max_connections=2)
+    try:
+        held = [store._conns.take(), store._conns.take()]  # both, as two steps in flight
+        with pytest.raises(StoreUnavailable):
+            EffectFence(store=store).prepare(req("charge:bounded"))
+        for conn in held:
+            store._conns.give(conn)
+        assert store.get("charge:bounded") is None
+        assert EffectFence(store=store).prepare(req("charge:bounded")).fresh
+    finally:
+        store.close()
+        drop_redis_prefix(prefix)
+
+
 def test_redis_on_a_single_connection_client_goes_through_redis_py(rs: Any) -> None:
-    """A client of one connection (or a cluster) is not a plain pool: its steps go through
-    redis-py's Script, and the fence works the same on it."""
+    """A client the caller passed in keeps its own pool: steps go through redis-py's
+    Script on it, and the fence works the same."""
     import redis
 
     from effectfence.store.redis import RedisStore
 
     one = redis.Redis.from_url(REDIS_URL, single_connection_client=True)
     store = RedisStore(client=one, prefix=rs.prefix)
-    assert store._s_claim._pool is None
+    assert store._s_claim._conns is None
     fence = EffectFence(store=store)
     cert = fence.commit(fence.prepare(req("charge:single")).ticket, "r")
     assert fence.prepare(req("charge:single", agent="b")).cert.hash == cert.hash

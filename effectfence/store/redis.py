@@ -40,8 +40,9 @@ Errors: no connection, or an error the server answered, raises
 lost only the reply: ticket steps re-read and answer from what the store holds, a claim
 answers unavailable (a lease it may have taken lapses like a crashed holder's). redis-py's
 own retries are off: a script is never sent twice behind the store's back (the one resend is
-after NOSCRIPT, an answer that says it did not run). Steps go straight to a pooled connection
-(:class:`_Script`), not through ``Redis.execute_command``.
+after NOSCRIPT, an answer that says it did not run). A store built from a URL sends its
+steps on connections of its own (:class:`_Connections`, :class:`_Script`), not through
+``Redis.execute_command``; a client passed in is used as it is.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import re
 import secrets
 import threading
@@ -56,6 +58,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+import hiredis
 import redis
 import redis.exceptions
 from redis.backoff import NoBackoff
@@ -94,6 +97,7 @@ _PREFIX_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _STATES = {s.value: s for s in State}
 _FIELDS = RECORD_FIELDS[1:]  # the hash fields of a record (the intent is in the key)
 _LOST = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+_pack: Callable[[tuple[Any, ...]], bytes] = hiredis.pack_command
 
 # Shared by every script. ARGV[1] is the key prefix ("{p}"), ARGV[2] a test clock's reading
 # or "" for the server's TIME.
@@ -386,48 +390,102 @@ return {n, #due}
 """
 
 
+class _Connections:
+    """The connections a store's own client uses for its steps: a free list.
+
+    Why not the client's pool: its checkout and return record observability metrics and
+    dispatch events (redis-py 8), ~10 us a step. A connection is checked before reuse (a
+    peer that hung up while it idled is replaced, so a step never meets it), a connection
+    that broke mid-reply is dropped, and a forked child starts with none of its parent's."""
+
+    def __init__(self, pool: redis.ConnectionPool) -> None:
+        self._make: Callable[[], Any] = lambda: pool.connection_class(**pool.connection_kwargs)
+        self._max: int = pool.max_connections  # the bound the pool would have kept
+        self._free: list[Any] = []
+        self._all: list[Any] = []
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+
+    def take(self) -> Any:
+        if self._pid != os.getpid():  # forked: the sockets are the parent's
+            with self._lock:
+                self._free, self._all, self._pid = [], [], os.getpid()
+        try:
+            conn = self._free.pop()
+        except IndexError:
+            with self._lock:
+                if len(self._all) >= self._max:  # as the pool would: refused, nothing sent
+                    raise redis.exceptions.ConnectionError(
+                        f"too many connections ({self._max}, max_connections)"
+                    ) from None
+                conn = self._make()
+                self._all.append(conn)
+            return conn
+        try:  # the peer hung up (EOF) or left stray data: not in step, reconnect
+            stale = conn._sock is not None and conn.can_read()
+        except _LOST:
+            stale = True
+        if stale:
+            conn.disconnect()  # the next send connects again
+        return conn
+
+    def give(self, conn: Any) -> None:
+        self._free.append(conn)
+
+    def drop(self, conn: Any) -> None:
+        conn.disconnect()
+        with self._lock, contextlib.suppress(ValueError):
+            self._all.remove(conn)
+
+    def close(self) -> None:
+        with self._lock:
+            conns, self._all, self._free = self._all, [], []
+        for conn in conns:
+            with contextlib.suppress(Exception):
+                conn.disconnect()
+
+
 class _Script:
     """One Lua step, called as redis-py's ``Script`` is: ``script(keys=..., args=...)``.
 
-    On a plain client it sends EVALSHA straight on a pooled connection, without
-    ``Redis.execute_command``'s per-command layers (retry, observability and deprecation
-    checks: ~15 us a call, a tenth of a replay here; measured EVALSHA through
-    ``Script.__call__`` ~110 us, this ~95 us, a plain GET ~93 us). What those layers do that
-    matters is kept: the pool's health check of the connection it hands out, loading the
+    On the store's own connections (:class:`_Connections`) it sends EVALSHA packed by
+    hiredis, without ``Redis.execute_command``'s per-command layers (retry, observability and
+    deprecation checks). Measured here per call: EVALSHA through ``Script.__call__`` ~100-110
+    us, this ~85-90 us; a GET through redis-py ~90-100 us. Kept from those layers: loading the
     script when the server lost it (a restart, SCRIPT FLUSH), and a connection broken
-    mid-reply is disconnected, never reused. Any other client (one connection, a cluster)
-    goes through redis-py's ``Script``."""
+    mid-reply is dropped, never reused. A client the caller passed in goes through
+    redis-py's ``Script`` and that client's own pool."""
 
-    __slots__ = ("_pool", "_script", "sha")
+    __slots__ = ("_conns", "_script", "sha")
 
-    def __init__(self, client: redis.Redis, source: str) -> None:
+    def __init__(self, client: redis.Redis, source: str, conns: _Connections | None) -> None:
         self._script = client.register_script(source)
         self.sha = self._script.sha
-        pool = getattr(client, "connection_pool", None)
-        plain = isinstance(pool, redis.ConnectionPool) and getattr(client, "connection", 1) is None
-        self._pool: redis.ConnectionPool | None = pool if plain else None
+        self._conns = conns
 
     def __call__(self, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        pool = self._pool
-        if pool is None:
+        conns = self._conns
+        if conns is None:
             return self._script(keys=keys, args=args)
-        conn: Any = pool.get_connection()  # redis-py's Connection is untyped
+        command = ("EVALSHA", self.sha, len(keys), *keys, *args)
+        conn = conns.take()
         try:
-            conn.send_command("EVALSHA", self.sha, len(keys), *keys, *args)
+            conn.send_packed_command([_pack(command)], check_health=False)
             try:
-                return conn.read_response()
+                out = conn.read_response()
             except redis.exceptions.NoScriptError:
                 conn.send_command("SCRIPT", "LOAD", self._script.script)
                 conn.read_response()
-                conn.send_command("EVALSHA", self.sha, len(keys), *keys, *args)
-                return conn.read_response()
+                conn.send_packed_command([_pack(command)], check_health=False)
+                out = conn.read_response()
         except redis.exceptions.ResponseError:
-            raise  # the server answered in full: the connection is in step, and goes back
-        except BaseException:
-            conn.disconnect()  # a reply may be half read: this connection is done
+            conns.give(conn)  # the server answered in full: the connection is in step
             raise
-        finally:
-            pool.release(conn)
+        except BaseException:
+            conns.drop(conn)  # a reply may be half read: this connection is done
+            raise
+        conns.give(conn)
+        return out
 
 
 class _Lost(Exception):
@@ -511,17 +569,19 @@ class RedisStore(FenceStore):
         self._cert_cache: dict[bytes, Any] = {}
         self._key: bytes | None = None
         r = self._r
-        self._s_read = _Script(r, _PRELUDE + _READ)
-        self._s_now = _Script(r, _PRELUDE + _NOW)
-        self._s_current = _Script(r, _PRELUDE + _CURRENT)
-        self._s_in_flight = _Script(r, _PRELUDE + _IN_FLIGHT)
-        self._s_claim = _Script(r, _PRELUDE + _CLAIM)
-        self._s_complete = _Script(r, _PRELUDE + _COMPLETE)
-        self._s_finish = _Script(r, _PRELUDE + _FINISH)
-        self._s_clear = _Script(r, _PRELUDE + _CLEAR)
-        self._s_clear_if = _Script(r, _PRELUDE + _CLEAR_IF)
-        self._s_evict = _Script(r, _PRELUDE + _EVICT)
-        self._s_sweep = _Script(r, _PRELUDE + _SWEEP)
+        # the store's own client: steps on its own connections (see _Connections)
+        self._conns = _Connections(r.connection_pool) if self._own_client else None
+        self._s_read = _Script(r, _PRELUDE + _READ, self._conns)
+        self._s_now = _Script(r, _PRELUDE + _NOW, self._conns)
+        self._s_current = _Script(r, _PRELUDE + _CURRENT, self._conns)
+        self._s_in_flight = _Script(r, _PRELUDE + _IN_FLIGHT, self._conns)
+        self._s_claim = _Script(r, _PRELUDE + _CLAIM, self._conns)
+        self._s_complete = _Script(r, _PRELUDE + _COMPLETE, self._conns)
+        self._s_finish = _Script(r, _PRELUDE + _FINISH, self._conns)
+        self._s_clear = _Script(r, _PRELUDE + _CLEAR, self._conns)
+        self._s_clear_if = _Script(r, _PRELUDE + _CLEAR_IF, self._conns)
+        self._s_evict = _Script(r, _PRELUDE + _EVICT, self._conns)
+        self._s_sweep = _Script(r, _PRELUDE + _SWEEP, self._conns)
         self._waiters = Waiters()
         self._listener: threading.Thread | None = None
         self._listener_lock = threading.Lock()
@@ -1191,5 +1251,8 @@ class RedisStore(FenceStore):
         if listener is not None:
             listener.join(timeout=2.0)
         if getattr(self, "_own_client", False):
+            conns = getattr(self, "_conns", None)
+            if conns is not None:
+                conns.close()
             with contextlib.suppress(Exception):
                 self._r.close()
