@@ -78,6 +78,46 @@ def test_jobs_run_side_by_side_up_to_the_thread_count() -> None:
     off.close()
 
 
+def test_one_caller_at_a_time_keeps_one_warm_thread() -> None:
+    off = Offloader(threads=8, name="t-warm")
+
+    async def main() -> set[str]:
+        names: set[str] = set()
+        for _ in range(20):
+            names.add(await off.run(lambda: threading.current_thread().name))
+        return names
+
+    assert asyncio.run(main()) == {"t-warm-1"}
+    off.close()
+
+
+def test_threads_grow_while_all_are_busy_and_never_past_the_bound() -> None:
+    """Two jobs block (a lock another process holds, say): a third starts no third thread
+    with threads=2, and runs as soon as one of the two is done."""
+    off = Offloader(threads=2)
+    release = threading.Event()
+    running = [threading.Event(), threading.Event()]
+    third = threading.Event()
+
+    def blocked(i: int) -> None:
+        running[i].set()
+        release.wait(10)
+
+    async def main() -> None:
+        a = asyncio.ensure_future(off.run(blocked, 0))
+        b = asyncio.ensure_future(off.run(blocked, 1))
+        c = asyncio.ensure_future(off.run(third.set))
+        while not (running[0].is_set() and running[1].is_set()):
+            await asyncio.sleep(0.001)  # both blocked jobs hold a thread each
+        assert not third.is_set()  # no third thread: the bound holds
+        release.set()
+        await asyncio.gather(a, b, c)
+        assert third.is_set()
+
+    asyncio.run(main())
+    off.close()
+
+
 def test_a_cancelled_caller_stops_waiting_and_the_job_still_finishes() -> None:
     off = Offloader(threads=1)
     started, release, finished = threading.Event(), threading.Event(), threading.Event()
