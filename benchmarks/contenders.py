@@ -82,7 +82,23 @@ class EffectfenceGuard(Guard):
         self.version = __version__
         self.in_flight = IntentInFlight
         cfg = FenceConfig(lease_ttl=60.0, result_ttl=3600.0)
-        self.fence = EffectFence.from_url(url, cfg) if url != "memory:" else EffectFence(cfg)
+        self.cleanup: Callable[[], None] = lambda: None
+        if url == "memory:":
+            self.fence = EffectFence(cfg)
+        else:
+            # a schema / key prefix of its own, dropped at close: the shared servers keep
+            # nothing of a run (the default names are a user's, not a benchmark's)
+            name = f"bench_ef_{os.getpid()}x{time.monotonic_ns() % 10**9}"
+            if url.startswith("postgresql"):
+                sep = "&" if "?" in url else "?"
+                self.fence = EffectFence.from_url(f"{url}{sep}schema={name}", cfg)
+                self.cleanup = lambda: _drop_pg_schema(url, name)
+            elif url.startswith("redis"):
+                sep = "&" if "?" in url else "?"
+                self.fence = EffectFence.from_url(f"{url}{sep}prefix={name}", cfg)
+                self.cleanup = lambda: _drop_redis_prefix(url, name)
+            else:  # a SQLite file: the suite's temporary directory is removed with it
+                self.fence = EffectFence.from_url(url, cfg)
         self.hashes: dict[str, str] = {}
 
     def call(self, key: str, args: dict[str, Any], run: Callable[[], Any]) -> Any:
@@ -103,6 +119,24 @@ class EffectfenceGuard(Guard):
 
     def close(self) -> None:
         self.fence.close()
+        self.cleanup()
+
+
+def _drop_pg_schema(url: str, schema: str) -> None:
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+def _drop_redis_prefix(url: str, prefix: str) -> None:
+    import redis
+
+    client = redis.Redis.from_url(url)
+    keys = list(client.scan_iter(match="[{]" + prefix + "[}]:*", count=1000))
+    for i in range(0, len(keys), 1000):
+        client.delete(*keys[i : i + 1000])
+    client.close()
 
 
 class OnceGuard(Guard):
