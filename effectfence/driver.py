@@ -337,14 +337,16 @@ class Offloader:
             if job is None:  # close()
                 return
             loop, future, ctx, fn, args = job
+            value, error = None, None
             try:
                 value = ctx.run(fn, *args)
             except BaseException as exc:  # handed to the caller, whatever it is
-                _deliver(loop, future, None, exc)
-            else:
-                _deliver(loop, future, value, None)
+                error = exc
+            # no longer pending BEFORE the caller hears back: its next job must find this
+            # thread counted free, or every answer could start another thread
             with self._lock:
                 self._pending -= 1
+            _deliver(loop, future, value, error)
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` in a worker thread; its result, or its exception, here.
