@@ -109,6 +109,25 @@ def effect(sink: Sink, k: int) -> dict[str, Any]:
     return {"charge_id": f"ch_{k}", "status": "succeeded", "amount": 500}
 
 
+def drop_pg_schema(url: str, schema: str) -> None:
+    """Drop a benchmark's PostgreSQL schema and everything in it."""
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+def drop_redis_prefix(url: str, prefix: str) -> None:
+    """Delete a benchmark's Redis keys (``{prefix}:*``, the store's hash tag)."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    keys = list(client.scan_iter(match="[{]" + prefix + "[}]:*", count=1000))
+    for i in range(0, len(keys), 1000):
+        client.delete(*keys[i : i + 1000])
+    client.close()
+
+
 def check_fresh(name: str, sink: Sink, results: list[Any], n: int) -> None:
     assert sink.n == n, f"{name} fresh: {sink.n} executions for {n} fresh keys"
     assert len(results) == n and all(r == expected(j) for j, r in enumerate(results)), (

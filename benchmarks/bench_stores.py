@@ -405,23 +405,19 @@ def namespaced(scheme: str, url: str) -> Callable[[int, str, str], str]:
 
 def drop_namespaces() -> int:
     """Drop what :func:`namespaced` made; returns how many."""
+    try:
+        from benchmarks.bench_peers import drop_pg_schema, drop_redis_prefix
+    except ImportError:  # run as a script, from benchmarks/
+        from bench_peers import drop_pg_schema, drop_redis_prefix
+
     made, n = list(_MADE), 0
     _MADE.clear()
     for scheme, url, name in made:
         with contextlib.suppress(Exception):  # a server gone since: nothing left to drop
             if scheme == "postgresql":
-                import psycopg
-
-                with psycopg.connect(url, autocommit=True) as conn:
-                    conn.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+                drop_pg_schema(url, name)
             else:
-                import redis
-
-                r = redis.Redis.from_url(url)
-                keys = list(r.scan_iter(match="[{]" + name + "[}]:*", count=1000))
-                if keys:
-                    r.delete(*keys)
-                r.close()
+                drop_redis_prefix(url, name)
             n += 1
     return n
 

@@ -37,6 +37,8 @@ from bench_peers import (
     Sink,
     check_fresh,
     check_replay,
+    drop_pg_schema,
+    drop_redis_prefix,
     effect,
     expected,
     payload,
@@ -92,11 +94,11 @@ class EffectfenceGuard(Guard):
             if url.startswith("postgresql"):
                 sep = "&" if "?" in url else "?"
                 self.fence = EffectFence.from_url(f"{url}{sep}schema={name}", cfg)
-                self.cleanup = lambda: _drop_pg_schema(url, name)
+                self.cleanup = lambda: drop_pg_schema(url, name)
             elif url.startswith("redis"):
                 sep = "&" if "?" in url else "?"
                 self.fence = EffectFence.from_url(f"{url}{sep}prefix={name}", cfg)
-                self.cleanup = lambda: _drop_redis_prefix(url, name)
+                self.cleanup = lambda: drop_redis_prefix(url, name)
             else:  # a SQLite file: the suite's temporary directory is removed with it
                 self.fence = EffectFence.from_url(url, cfg)
         self.hashes: dict[str, str] = {}
@@ -120,23 +122,6 @@ class EffectfenceGuard(Guard):
     def close(self) -> None:
         self.fence.close()
         self.cleanup()
-
-
-def _drop_pg_schema(url: str, schema: str) -> None:
-    import psycopg
-
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-
-
-def _drop_redis_prefix(url: str, prefix: str) -> None:
-    import redis
-
-    client = redis.Redis.from_url(url)
-    keys = list(client.scan_iter(match="[{]" + prefix + "[}]:*", count=1000))
-    for i in range(0, len(keys), 1000):
-        client.delete(*keys[i : i + 1000])
-    client.close()
 
 
 class OnceGuard(Guard):
