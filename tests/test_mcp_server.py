@@ -19,6 +19,7 @@ from support import FakeClock
 
 from effectfence import EffectFence, EffectRequest, FenceConfig
 from effectfence.fence import MAX_CLEAR_TEXT
+from effectfence.mcp.models import CertModel, CommitOutput, PrepareOutput
 from effectfence.mcp.server import STDIO_CLEARER, build_server, main
 from effectfence.operator.views import clear_view
 from effectfence.tickets import TicketSigner
@@ -215,6 +216,28 @@ async def test_fence_clear_refuses_a_live_lease_unless_forced_and_records_who_an
 
 
 # -- the protocol ---------------------------------------------------------------------------
+
+
+async def test_hot_path_answers_are_exactly_what_their_output_models_describe() -> None:
+    """fence_prepare and fence_commit build their answers as plain dicts (a model round trip
+    cost more than the fence step): each must be what its model validates and dumps."""
+    async with connect(build_server(EffectFence())) as client:
+        fresh = ok(await prepare(client))
+        committed = ok(
+            await client.call_tool(
+                "fence_commit", {"prepared": fresh["prepared"], "result": {"id": [1, 2]}}
+            )
+        )
+        replay = ok(await prepare(client, agent="agent-b"))
+    for model, answer in (
+        (PrepareOutput, fresh),
+        (CommitOutput, committed),
+        (PrepareOutput, replay),
+    ):
+        dumped = model.model_validate(answer).model_dump(mode="json", exclude_unset=True)
+        assert dumped == answer, model.__name__
+        assert list(dumped) == list(answer)  # and in the model's field order
+    assert list(replay["cert"]) == list(CertModel.model_fields)
 
 
 async def test_prepare_commit_then_duplicates_replay_the_identical_cert() -> None:

@@ -222,7 +222,13 @@ def _text(headline: str, data: dict[str, Any]) -> TextContent:
 
 
 def _ok(output: BaseModel, headline: str) -> CallToolResult:
-    data = output.model_dump(mode="json", exclude_unset=True)
+    return _answer(output.model_dump(mode="json", exclude_unset=True), headline)
+
+
+def _answer(data: dict[str, Any], headline: str) -> CallToolResult:
+    """An answer already in its wire form: the hot paths (prepare, commit) build the dict
+    their output model describes directly, as a model round trip cost more than the fence
+    step itself (tests/test_mcp_server.py validates them against the declared schema)."""
     return CallToolResult(content=[_text(headline, data)], structured_content=data)
 
 
@@ -383,11 +389,10 @@ def _annotations(
     )
 
 
-def _cert(cert: EffectCert) -> CertModel:
-    # Trusted: the fence minted it; the client validates against the schema anyway.
-    data = cert.to_dict()
-    data["read_set"] = [(d, s) for d, s in cert.read_set]
-    return CertModel.model_construct(**data)
+def _cert(cert: EffectCert) -> dict[str, Any]:
+    """The certificate as :class:`CertModel` describes it: its JSON form is exactly that
+    (cert_body's fields in the model's order, read_set as [domain, seq] lists)."""
+    return cert.to_dict()
 
 
 class _FenceTools:
@@ -485,28 +490,31 @@ class _FenceTools:
                 raise
             takeover = bool(getattr(admission, "takeover", False))
             d.outcome, d.token = ("takeover" if takeover else "fresh"), ticket.token
-            out = PrepareOutput.model_construct(
-                status="fresh",
-                intent=ticket.intent,
-                prepared=sealed,
-                token=ticket.token,
-                seq=ticket.seq,
-                takeover=takeover,
-                lease_expires_in=self._lease_left(self.fence.config.lease_ttl, t0),
-            )
-            return _ok(
-                out,
+            data = {
+                "status": "fresh",
+                "intent": ticket.intent,
+                "prepared": sealed,
+                "token": ticket.token,
+                "seq": ticket.seq,
+                "takeover": takeover,
+                "lease_expires_in": self._lease_left(self.fence.config.lease_ttl, t0),
+            }
+            return _answer(
+                data,
                 f"FRESH: you hold intent {ticket.intent!r}. Run {ticket.tool!r} now with exactly "
                 "these args, then fence_commit with `prepared` and its result (fence_abort if "
                 "it may have fired, fence_release if it certainly did not).",
             )
         cert = admission.cert
         d.outcome = "replay"
-        out = PrepareOutput.model_construct(
-            status="replay", intent=cert.intent, result=cert.result, cert=_cert(cert)
-        )
-        return _ok(
-            out,
+        data = {
+            "status": "replay",
+            "intent": cert.intent,
+            "result": cert.result,
+            "cert": _cert(cert),
+        }
+        return _answer(
+            data,
             f"REPLAY: {cert.tool!r} ALREADY RAN for intent {cert.intent!r}. Do NOT run it "
             "again; its recorded outcome is `result`.",
         )
@@ -519,9 +527,9 @@ class _FenceTools:
         finally:
             d.latency = time.perf_counter() - t0
         d.outcome = "committed"
-        out = CommitOutput.model_construct(status="committed", intent=cert.intent, cert=_cert(cert))
-        return _ok(
-            out,
+        data = {"status": "committed", "intent": cert.intent, "cert": _cert(cert)}
+        return _answer(
+            data,
             f"COMMITTED: {cert.intent!r} is recorded exactly once; duplicates will replay it.",
         )
 
