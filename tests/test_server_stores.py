@@ -566,6 +566,61 @@ def test_redis_a_forked_child_never_uses_its_parents_connections(own_rs: Any) ->
     assert fence.prepare(req("charge:parent", agent="b")).fresh is False
 
 
+def _pg_child(store: Any, out: Any) -> None:
+    inherited = {id(c) for c in store._pool._pool}
+    fresh = EffectFence(store=store).prepare(req("charge:child")).fresh
+    with store._conn("test") as conn:
+        own = id(conn) not in inherited
+        backend = conn.execute("SELECT pg_backend_pid()").fetchone()[0]
+    try:
+        foreign = EffectFence(store=_foreign_pool_store[0]).prepare(req("charge:x")).fresh
+    except StoreUnavailable as exc:
+        foreign = exc.message
+    out.send((own, fresh, backend, foreign))
+
+
+_foreign_pool_store: list[Any] = []
+
+
+def test_pg_a_forked_child_never_uses_its_parents_connections(pg: Any) -> None:
+    """A pooled connection's socket is shared with the parent after a fork: two processes'
+    messages would interleave on one session. The child opens a pool of its own (a caller's
+    pool can't be replaced: refused, unavailable), and the parent's sessions still work."""
+    import multiprocessing
+
+    import psycopg_pool
+
+    from effectfence.store.postgres import PostgresStore
+
+    fence = EffectFence(store=pg)
+    fence.commit(fence.prepare(req("charge:parent")).ticket, "r")
+    with pg._conn("test") as conn:
+        parent_backends = {conn.execute("SELECT pg_backend_pid()").fetchone()[0]}
+    theirs_pool = psycopg_pool.ConnectionPool(PG_DSN, min_size=1, max_size=1, open=True)
+    schema = unique_name("pgforkpool")
+    foreign = PostgresStore(pool=theirs_pool, schema=schema)
+    _foreign_pool_store[:] = [foreign]
+    try:
+        ctx = multiprocessing.get_context("fork")
+        mine, theirs = ctx.Pipe()
+        proc = ctx.Process(target=_pg_child, args=(pg, theirs))
+        proc.start()
+        assert mine.poll(30), "the child did not answer"
+        own, fresh, backend, refused = mine.recv()
+        proc.join(30)
+        assert proc.exitcode == 0
+        assert own is True and fresh is True and backend not in parent_backends
+        assert isinstance(refused, str) and "opened before this process was forked" in refused
+        # the parent's connections still work, and see the child's claim
+        assert fence.prepare(req("charge:parent", agent="b")).fresh is False
+        assert pg.get("charge:child") is not None
+    finally:
+        _foreign_pool_store.clear()
+        foreign.close()
+        theirs_pool.close()
+        drop_pg_schema(schema)
+
+
 def test_redis_own_connections_keep_the_max_connections_bound() -> None:
     """max_connections bounds the store's own connections as it bounded the pool: one more
     step while all are in use is refused as unavailable, and nothing is written."""

@@ -143,6 +143,19 @@ def test_refuses_a_foreign_database(tmp_path: Path) -> None:
     conn.close()
     with pytest.raises(StoreSchemaError, match="not an effectfence store"):
         SQLiteStore(path)
+    # refused before anything was written: not even switched to WAL (which persists, and
+    # would change another program's file)
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+    conn.close()
+
+
+def test_refuses_a_file_that_is_not_sqlite(tmp_path: Path) -> None:
+    path = tmp_path / "notes.txt"
+    path.write_text("these are not the pages you are looking for\n" * 200)
+    with pytest.raises(StoreSchemaError, match="not a SQLite database"):
+        SQLiteStore(str(path))
+    assert path.read_text().startswith("these are not")
 
 
 def test_identity_and_key_survive_reopening(tmp_path: Path) -> None:
@@ -390,6 +403,45 @@ def test_closed_store_is_unavailable(tmp_path: Path) -> None:
 
 
 # -- processes ------------------------------------------------------------------------------------
+
+
+def _forked_child_commits(fence: EffectFence, go: Any, out: Any) -> None:
+    go.recv()  # the parent has closed its store by now
+    adm = fence.prepare(req("charge:forked", agent="child"))
+    if adm.fresh:
+        fence.commit(adm.ticket, "by the child")
+    out.send(adm.fresh)
+
+
+def test_a_forked_child_never_writes_through_its_parents_connections(tmp_path: Path) -> None:
+    """SQLite's locks are not inherited: through its parent's connection a forked child
+    holds none, and when the parent closes its store (the last user, to SQLite) the WAL is
+    checkpointed and deleted under the child. The child's commit would then land in a
+    deleted file, and another process would admit the same intent again (G1)."""
+    import multiprocessing
+
+    path = str(tmp_path / "fork.db")
+    store = SQLiteStore(path)
+    fence = EffectFence(store=store)
+    fence.commit(fence.prepare(req("charge:parent")).ticket, "r")  # the pool holds a connection
+    ctx = multiprocessing.get_context("fork")
+    go_child, go = ctx.Pipe()
+    mine, theirs = ctx.Pipe()
+    proc = ctx.Process(target=_forked_child_commits, args=(fence, go_child, theirs))
+    proc.start()
+    store.close()
+    go.send(True)
+    assert mine.poll(30), "the child did not answer"
+    assert mine.recv() is True
+    proc.join(30)
+    assert proc.exitcode == 0
+    other = SQLiteStore(path)
+    try:
+        again = EffectFence(store=other).prepare(req("charge:forked", agent="other"))
+        assert again.fresh is False, "the child's commit is not in the ledger: it would run twice"
+        assert again.cert.result == "by the child"
+    finally:
+        other.close()
 
 
 def test_storm_four_processes_eight_threads_one_execution(tmp_path: Path) -> None:

@@ -62,6 +62,7 @@ from psycopg import pq, sql
 
 from effectfence.errors import StoreUnavailable
 from effectfence.protocol import IntentRecord, State
+from effectfence.store import _fork
 from effectfence.store._waiters import Waiters
 from effectfence.store.base import (
     APPLIED,
@@ -624,28 +625,12 @@ class PostgresStore(FenceStore):
         self._cert_cache: dict[bytes, Any] = {}
         self._key: bytes | None = None
         self._own_pool = pool is None
+        self._pool_size = (pool_min, max(pool_min, pool_max))
+        self._fork = _fork.generation()
         if pool is None:
             assert conninfo is not None
             self._conninfo = conninfo
-            try:
-                pool = psycopg_pool.ConnectionPool(
-                    conninfo,
-                    min_size=pool_min,
-                    max_size=max(pool_min, pool_max),
-                    kwargs={"autocommit": True},
-                    configure=self._configure,
-                    timeout=self.timeout,
-                    name=f"effectfence-{schema}",
-                    open=False,
-                )
-                pool.open(wait=True, timeout=self.timeout)
-            except (psycopg.Error, psycopg_pool.PoolTimeout) as exc:
-                with contextlib.suppress(Exception):
-                    pool.close()  # type: ignore[union-attr]
-                raise StoreUnavailable(
-                    f"can't connect to PostgreSQL at {_redact(conninfo)}: {exc}",
-                    operation="open",
-                ) from exc
+            pool = self._open_pool()
         else:
             info = pool.conninfo
             self._conninfo = info if isinstance(info, str) else info()
@@ -688,6 +673,54 @@ class PostgresStore(FenceStore):
         return f"PostgresStore(url={_redact(self._conninfo)!r}, schema={self.schema!r})"
 
     # -- connections --------------------------------------------------------------------------
+    def _open_pool(self) -> psycopg_pool.ConnectionPool[Any]:
+        pool_min, pool_max = self._pool_size
+        pool: psycopg_pool.ConnectionPool[Any] | None = None
+        try:
+            pool = psycopg_pool.ConnectionPool(
+                self._conninfo,
+                min_size=pool_min,
+                max_size=pool_max,
+                kwargs={"autocommit": True},
+                configure=self._configure,
+                timeout=self.timeout,
+                name=f"effectfence-{self.schema}",
+                open=False,
+            )
+            pool.open(wait=True, timeout=self.timeout)
+        except (psycopg.Error, psycopg_pool.PoolTimeout) as exc:
+            if pool is not None:
+                with contextlib.suppress(Exception):
+                    pool.close()
+            raise StoreUnavailable(
+                f"can't connect to PostgreSQL at {_redact(self._conninfo)}: {exc}",
+                operation="open",
+            ) from exc
+        return pool
+
+    def _forked(self, op: str) -> None:
+        """First use in a forked child. A pooled connection's socket is shared with the
+        parent: both processes' messages would interleave on one session, and either could
+        read the other's answer. A pool the store opened is replaced by one of the child's
+        own; the caller's pool cannot be, so the step is refused."""
+        with _fork.LOCK:
+            if self._fork == _fork.generation():  # another thread of the child came first
+                return
+            if not self._own_pool:
+                raise StoreUnavailable(
+                    f"the PostgreSQL store {self.schema!r} runs on a pool opened before this "
+                    "process was forked; open the pool (or the store) in the child",
+                    operation=op,
+                )
+            _fork.abandon(self._pool, self._listen_conn)  # the parent's: never touched
+            self._listen_conn, self._listener = None, None
+            self._listener_lock = threading.Lock()
+            self._checked = weakref.WeakSet()
+            self._checked_lock = threading.Lock()
+            self._waiters = Waiters()
+            self._pool = self._open_pool()
+            self._fork = _fork.generation()
+
     def _configure(self, conn: psycopg.Connection[Any]) -> None:
         """On every new connection: never commit without waiting for the WAL flush."""
         setting = str(conn.execute("SHOW synchronous_commit").fetchone()[0])  # type: ignore[index]
@@ -709,6 +742,8 @@ class PostgresStore(FenceStore):
         """A pooled connection in autocommit; unavailable if none comes within ``timeout``."""
         if self._closed:
             raise StoreUnavailable(f"the PostgreSQL store {self.schema!r} is closed", operation=op)
+        if self._fork != _fork.generation():
+            self._forked(op)
         try:
             cm = self._pool.connection(timeout=self.timeout)
             conn = cm.__enter__()

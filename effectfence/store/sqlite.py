@@ -59,6 +59,7 @@ from urllib.parse import parse_qsl, unquote
 from effectfence.clock import merge_counts
 from effectfence.errors import StoreUnavailable
 from effectfence.protocol import IntentRecord, State
+from effectfence.store import _fork
 from effectfence.store.base import (
     APPLIED,
     BUSY,
@@ -256,6 +257,7 @@ class SQLiteStore(FenceStore):
         self._free: list[sqlite3.Connection] = []
         self._all: list[sqlite3.Connection] = []
         self._all_lock = threading.Lock()
+        self._fork = _fork.generation()
         self._closed = False
         self._cert_cache: dict[bytes, Any] = {}
         self._key: bytes | None = None
@@ -323,16 +325,38 @@ class SQLiteStore(FenceStore):
             check_same_thread=False,  # the pool hands a connection to one thread at a time
             cached_statements=64,
         )
-        conn.execute(f"PRAGMA synchronous={self.synchronous}")
+        try:
+            conn.execute(f"PRAGMA synchronous={self.synchronous}")
+        except BaseException:
+            conn.close()
+            raise
         with self._all_lock:
             self._all.append(conn)
         return conn
 
     def _acquire(self) -> sqlite3.Connection:
+        if self._fork != _fork.generation():
+            self._forked()
         try:
             return self._free.pop()
         except IndexError:
             return self._connect()
+
+    def _forked(self) -> None:
+        """First use in a forked child: set the parent's connections aside and open our own.
+
+        Through an inherited connection the child holds none of SQLite's file locks, so the
+        parent closing its store (or exiting) checkpoints and deletes the WAL under it: the
+        child's claims and commits would land in a deleted file, invisible to every other
+        process, and an intent it admitted could be admitted again elsewhere (G1)."""
+        with _fork.LOCK:
+            if self._fork == _fork.generation():  # another thread of the child came first
+                return
+            _fork.abandon(*self._all)  # never closed: that could delete the WAL
+            self._all, self._free = [], []
+            self._all_lock = threading.Lock()  # a parent's thread may have held it at fork
+            self._key_lock = threading.Lock()
+            self._fork = _fork.generation()
 
     def _unavailable(self, op: str, exc: BaseException) -> StoreUnavailable:
         return StoreUnavailable(
@@ -422,8 +446,21 @@ class SQLiteStore(FenceStore):
             pause = min(pause * 2, 0.05)
 
     def _init_schema_once(self) -> tuple[str, str]:
-        conn = self._connect()
         try:
+            conn = self._connect()
+        except sqlite3.DatabaseError as exc:
+            if getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_NOTADB:
+                raise self._foreign("is not a SQLite database") from exc
+            raise self._unavailable("open", exc) from exc
+        try:
+            # a file that is not ours is refused before anything is written to it (the
+            # switch to WAL below is persistent: it would change another program's file)
+            tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master")}
+            if tables and "meta" not in tables:
+                tables_list = ", ".join(sorted(tables))
+                raise self._foreign(
+                    f"is a SQLite database but not an effectfence store (tables: {tables_list})"
+                )
             mode = str(conn.execute("PRAGMA journal_mode").fetchone()[0]).lower()
             if mode != "wal":  # WAL is persistent: only the first opener of a file sets it
                 mode = str(conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]).lower()
@@ -451,12 +488,9 @@ class SQLiteStore(FenceStore):
                             supported=SCHEMA_VERSION,
                         )
                 elif tables:
-                    raise StoreSchemaError(
-                        f"{self.path} is a SQLite database but not an effectfence store "
-                        f"(tables: {', '.join(sorted(tables))})",
-                        path=self.path,
-                        found=None,
-                        supported=SCHEMA_VERSION,
+                    raise self._foreign(
+                        "is a SQLite database but not an effectfence store "
+                        f"(tables: {', '.join(sorted(tables))})"
                     )
                 for stmt in _SCHEMA.split(";"):
                     if stmt.strip():
@@ -484,6 +518,11 @@ class SQLiteStore(FenceStore):
             raise
         self._free.append(conn)
         return str(store_id[0]), mode
+
+    def _foreign(self, what: str) -> StoreSchemaError:
+        return StoreSchemaError(
+            f"{self.path} {what}", path=self.path, found=None, supported=SCHEMA_VERSION
+        )
 
     # -- the clock --------------------------------------------------------------------------
     def _tick(self, conn: sqlite3.Connection, token: bool = False) -> tuple[float, int]:
