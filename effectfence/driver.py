@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from effectfence.cert import EffectCert
-from effectfence.errors import IntentInFlight, InvalidRequest, Refusal
+from effectfence.errors import IntentInFlight, InvalidRequest, Refusal, StoreUnavailable
 from effectfence.fence import EffectFence
 from effectfence.model import EffectRequest, PreparedEffect
 
@@ -35,6 +35,7 @@ __all__ = [
     "FencedCall",
     "Offloader",
     "Options",
+    "Pause",
     "Run",
     "Wait",
     "drive",
@@ -93,8 +94,27 @@ class Run:
     renew_every: float | None
 
 
+@dataclass(frozen=True, slots=True)
+class Pause:
+    """Sleep ``seconds`` (the store was unavailable; the step is tried again after)."""
+
+    seconds: float
+
+
 Done = FencedCall
-Instruction = Wait | Run
+Instruction = Wait | Run | Pause
+
+#: pauses between the attempts to record an effect that ran while its store is unavailable:
+#: a commit is safe to repeat (a repeat of one that applied answers its certificate), and a
+#: short outage is far better ridden out than turned into an intent nobody can settle
+COMMIT_RETRY_PAUSES = (0.05, 0.2, 0.5, 1.0)
+
+#: a renewal that found the store unavailable is tried again this much sooner
+RENEW_RETRY_FACTOR = 0.25
+
+
+class _NotStarted(Exception):
+    """The caller went away between the admission and the effect: nothing ran."""
 
 
 def drive(
@@ -122,7 +142,7 @@ def drive(
     try:
         result = yield Run(ticket, options.renew_every)
     except BaseException as exc:
-        if isinstance(exc, options.did_not_fire):
+        if isinstance(exc, (_NotStarted, *options.did_not_fire)):
             fence.release(ticket)
         else:
             # the reason is shown to every later caller of this intent: name the
@@ -130,12 +150,48 @@ def drive(
             fence.abort(ticket, f"the function raised {type(exc).__name__}")
         raise
     try:
-        cert = fence.commit(ticket, result)
+        cert = yield from _record(fence, ticket, result)
     except InvalidRequest as exc:
         # it ran, but its result can't be recorded: fence the intent, say why
         fence.abort(ticket, f"result not recordable: {exc.message}"[:1000])
         raise
     return FencedCall(result, cert, True)
+
+
+def _record(
+    fence: EffectFence, ticket: PreparedEffect, result: Any
+) -> Generator[Instruction, Any, EffectCert]:
+    """Commit an effect that ran. While the store is unavailable the commit is tried again
+    (:data:`COMMIT_RETRY_PAUSES`); if it never answers, the intent is fenced as failed if
+    the store lets us, and the refusal says plainly that the effect RAN: "nothing was
+    decided" would invite the very retry that runs it twice."""
+    for pause in COMMIT_RETRY_PAUSES:
+        try:
+            return fence.commit(ticket, result)
+        except StoreUnavailable:
+            yield Pause(pause)
+    try:
+        return fence.commit(ticket, result)
+    except StoreUnavailable as exc:
+        reason = "it ran, but its result could not be recorded: the store was unavailable"
+        try:
+            fence.abort(ticket, reason)
+            fenced = "the intent is now failed: identical calls are refused until cleared"
+        except Refusal:
+            fenced = (
+                "the intent stays in flight until its lease lapses: after that an "
+                "identical call would run it again"
+            )
+        raise StoreUnavailable(
+            f"{ticket.intent!r} RAN, but its result could not be recorded ({exc.message}); "
+            f"{fenced}",
+            retryable=False,
+            recover="do not run it again: it ran. Reconcile downstream, then an operator "
+            "clears the intent",
+            intent=ticket.intent,
+            token=ticket.token,
+            ran=True,
+        ) from exc
 
 
 def run_sync(
@@ -151,6 +207,10 @@ def run_sync(
         while True:
             if isinstance(instr, Wait):
                 fence.wait(instr.intent, instr.timeout)
+                instr = next(gen)
+                continue
+            if isinstance(instr, Pause):
+                time.sleep(instr.seconds)
                 instr = next(gen)
                 continue
             stop = _renew_in_thread(fence, instr.ticket, instr.renew_every)
@@ -193,15 +253,28 @@ async def run_async(
             return True, done.value
 
     async def step(how: str, value: Any = None) -> tuple[bool, Any]:
-        if off_loop is not None:
-            got: tuple[bool, Any] = await off_loop(advance, how, value)
-            return got
-        return advance(how, value)
+        if off_loop is None:
+            return advance(how, value)
+        hand = _Handoff(gen, advance)
+        try:
+            got: tuple[bool, Any] = await off_loop(hand.run, how, value)
+        except asyncio.CancelledError:
+            # the step goes on in its thread; what it leaves held (an admission nobody
+            # will act on) is let go by whichever comes last: the step, or this
+            done = hand.leave()
+            if done is not None:
+                _settle_later(off_loop, gen, done)
+            raise
+        return got
 
     finished, instr = await step("send")
     while not finished:
         if isinstance(instr, Wait):
             await _wait_in_thread(fence, instr.intent, instr.timeout)
+            finished, instr = await step("send")
+            continue
+        if isinstance(instr, Pause):
+            await asyncio.sleep(instr.seconds)
             finished, instr = await step("send")
             continue
         task = _renew_in_task(fence, instr.ticket, instr.renew_every, off_loop)
@@ -215,6 +288,66 @@ async def run_async(
         finished, instr = await step("send", result)
     call: FencedCall = instr
     return call
+
+
+class _Handoff:
+    """One step of :func:`drive` in a worker thread, whose awaiting caller may be cancelled
+    meanwhile. Without this, a prepare that admitted the intent just as its caller was
+    cancelled left the generator parked at ``Run`` until garbage collection closed it, and
+    the close aborted the intent: refused to every identical call until an operator
+    cleared it, for an effect that never started."""
+
+    __slots__ = ("_advance", "_done", "_gen", "_left", "_lock")
+
+    def __init__(self, gen: Generator[Instruction, Any, FencedCall], advance: Any) -> None:
+        self._gen = gen
+        self._advance = advance
+        self._lock = threading.Lock()
+        self._done: tuple[bool, Any] | None = None
+        self._left = False
+
+    def run(self, how: str, value: Any) -> tuple[bool, Any]:
+        got: tuple[bool, Any] = self._advance(how, value)
+        with self._lock:
+            self._done = got
+            left = self._left
+        if left:
+            _settle(self._gen, got)
+        return got
+
+    def leave(self) -> tuple[bool, Any] | None:
+        """The caller is cancelled: the step's outcome if it already came (the caller must
+        settle it), else None (the step will, when it ends)."""
+        with self._lock:
+            self._left = True
+            return self._done
+
+
+def _settle(gen: Generator[Instruction, Any, FencedCall], got: tuple[bool, Any]) -> None:
+    """Nobody acts on this step's outcome: an admission is released (the effect never
+    started), a wait is dropped; a finished call needs nothing."""
+    finished, instr = got
+    if finished:
+        return
+    if isinstance(instr, Run):
+        with contextlib.suppress(_NotStarted, Refusal, StopIteration):
+            gen.throw(_NotStarted())
+    else:
+        gen.close()
+
+
+_SETTLING: set[asyncio.Future[Any]] = set()
+
+
+def _settle_later(
+    off_loop: Callable[..., Awaitable[Any]],
+    gen: Generator[Instruction, Any, FencedCall],
+    got: tuple[bool, Any],
+) -> None:
+    """:func:`_settle` off the loop (a release is a store step), from a cancelled task."""
+    fut = asyncio.ensure_future(off_loop(_settle, gen, got))
+    _SETTLING.add(fut)
+    fut.add_done_callback(_SETTLING.discard)
 
 
 async def _wait_in_thread(fence: EffectFence, intent: str, timeout: float) -> None:
@@ -251,9 +384,13 @@ def _renew_in_thread(
     stop = threading.Event()
 
     def beat() -> None:
-        while not stop.wait(every):
+        pause = every
+        while not stop.wait(pause):
             try:
                 fence.renew(ticket)
+                pause = every
+            except StoreUnavailable:
+                pause = every * RENEW_RETRY_FACTOR  # a blip: keep the lease, try sooner
             except Refusal:
                 return  # taken over or finished: commit will say so
 
@@ -287,15 +424,19 @@ def _renew_in_task(
     period = every
 
     async def beat() -> None:
+        pause = period
         while True:
-            await asyncio.sleep(period)
+            await asyncio.sleep(pause)
             try:
                 if off_loop is not None:
                     await off_loop(fence.renew, ticket)
                 else:
                     fence.renew(ticket)
+                pause = period
+            except StoreUnavailable:
+                pause = period * RENEW_RETRY_FACTOR  # a blip: keep the lease, try sooner
             except Refusal:
-                return
+                return  # taken over or finished: commit will say so
 
     return asyncio.get_running_loop().create_task(beat())
 

@@ -1,0 +1,161 @@
+"""The one driver (prepare -> run -> renew -> commit) when the store fails around the effect.
+
+A store that is briefly unavailable must not stop the lease being renewed, must not turn an
+effect that ran into "nothing was decided", and a caller cancelled while its prepare is in a
+worker thread must not leave the intent fenced for an effect that never started. Time is
+real but every wait is bounded; collisions are forced with events, never sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+
+from effectfence import EffectFence, EffectRequest, FenceConfig
+from effectfence.driver import Offloader, Options, run_async, run_sync
+from effectfence.errors import StoreUnavailable
+from effectfence.store.memory import MemoryStore
+
+BOUND = 20.0
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # run_async and the Offloader are asyncio's
+
+
+def req(intent: str = "charge:1") -> EffectRequest:
+    return EffectRequest(intent, "order:1", "charge", {"cents": 100}, "a")
+
+
+class Flaky(MemoryStore):
+    """A memory store whose chosen steps fail (StoreUnavailable) a set number of times."""
+
+    def __init__(self, **fail: int) -> None:
+        super().__init__()
+        self.failing = dict(fail)
+        self.calls: dict[str, int] = {}
+        self.renewed = threading.Event()
+        self.claim_entered = threading.Event()
+        self.claim_done = threading.Event()
+        self.claim_gate: threading.Event | None = None
+
+    def _maybe_fail(self, step: str) -> None:
+        self.calls[step] = self.calls.get(step, 0) + 1
+        left = self.failing.get(step, 0)
+        if left:
+            self.failing[step] = left - 1
+            raise StoreUnavailable(f"{step}: the store is down (simulated)")
+
+    def renew(self, *args: Any, **kw: Any) -> Any:
+        self._maybe_fail("renew")
+        out = super().renew(*args, **kw)
+        self.renewed.set()
+        return out
+
+    def complete(self, *args: Any, **kw: Any) -> Any:
+        self._maybe_fail("complete")
+        return super().complete(*args, **kw)
+
+    def claim(self, *args: Any, **kw: Any) -> Any:
+        self.claim_entered.set()
+        if self.claim_gate is not None:
+            assert self.claim_gate.wait(BOUND)
+        try:
+            return super().claim(*args, **kw)
+        finally:
+            self.claim_done.set()
+
+
+def test_a_failed_renewal_does_not_stop_the_heartbeat() -> None:
+    """One StoreUnavailable while renewing used to end the heartbeat for good: an effect
+    outlasting its lease could then be taken over and run a second time."""
+    store = Flaky(renew=1)
+    fence = EffectFence(FenceConfig(lease_ttl=5.0), store=store)
+
+    def effect(ticket: Any) -> str:
+        assert store.renewed.wait(BOUND), "the lease was never renewed after the blip"
+        return "ok"
+
+    done = run_sync(fence, req(), Options(renew_every=0.01), effect)
+    assert done.fresh and store.calls["renew"] >= 2
+
+
+async def test_a_failed_renewal_does_not_stop_the_heartbeat_task() -> None:
+    store = Flaky(renew=1)
+    fence = EffectFence(FenceConfig(lease_ttl=5.0), store=store)
+
+    async def effect(ticket: Any) -> str:
+        async with asyncio.timeout(BOUND):
+            while not store.renewed.is_set():
+                await asyncio.sleep(0.005)
+        return "ok"
+
+    done = await run_async(fence, req(), Options(renew_every=0.01), effect)
+    assert done.fresh and store.calls["renew"] >= 2
+
+
+def test_a_commit_is_tried_again_through_a_short_outage(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("effectfence.driver.COMMIT_RETRY_PAUSES", (0.0, 0.0, 0.0), raising=False)
+    store = Flaky(complete=2)
+    fence = EffectFence(store=store)
+    runs: list[int] = []
+    done = run_sync(fence, req(), Options(), lambda t: runs.append(1) or "charged")
+    assert done.fresh and done.cert.result == "charged" and runs == [1]
+    assert fence.prepare(req()).fresh is False  # recorded: a duplicate replays
+
+
+def test_an_effect_that_ran_but_was_never_recorded_says_it_ran(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The old answer was the store's own "retry later; nothing was decided", for an effect
+    that had run: the retry it invites runs it twice. Now: it RAN, not retryable, and the
+    intent is fenced as failed so identical attempts are refused."""
+    monkeypatch.setattr("effectfence.driver.COMMIT_RETRY_PAUSES", (0.0, 0.0), raising=False)
+    store = Flaky(complete=100)
+    fence = EffectFence(store=store)
+    with pytest.raises(StoreUnavailable) as caught:
+        run_sync(fence, req(), Options(), lambda t: "charged")
+    refusal = caught.value
+    assert refusal.retryable is False and "RAN" in refusal.message
+    assert refusal.details["ran"] is True and "do not run it again" in refusal.recover
+    assert store.calls["complete"] == 3
+    assert fence.intent_status("charge:1").state == "failed"
+
+
+async def test_a_caller_cancelled_while_its_prepare_runs_off_the_loop_leaves_nothing_held() -> None:
+    """The prepare admits the intent in a worker thread just as its caller is cancelled:
+    nobody will run the effect, so the admission is released (not aborted: that would
+    refuse every identical call until an operator cleared an effect that never started)."""
+    store = Flaky()
+    store.claim_gate = threading.Event()
+    fence = EffectFence(store=store)
+    offloader = Offloader(2, name="test-cancel")
+    started: list[int] = []
+
+    async def effect(ticket: Any) -> str:
+        started.append(1)
+        return "charged"
+
+    task = asyncio.ensure_future(run_async(fence, req(), Options(), effect, offload=offloader))
+    async with asyncio.timeout(BOUND):
+        while not store.claim_entered.is_set():
+            await asyncio.sleep(0.005)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    store.claim_gate.set()  # the claim now completes in its thread, for nobody
+    async with asyncio.timeout(BOUND):
+        while not store.claim_done.is_set():
+            await asyncio.sleep(0.005)
+        while fence.intent_status("charge:1").state != "absent":  # admitted, then let go
+            await asyncio.sleep(0.005)
+    assert started == []
+    again = fence.prepare(req())
+    assert again.fresh  # an identical call runs: nothing was left fenced
+    offloader.close()
