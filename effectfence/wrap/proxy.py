@@ -154,6 +154,15 @@ class ChildGone(Exception):
     """The child died, the pipe broke, or its answer was unreadable: outcome unknown."""
 
 
+class NotSent(ChildGone):
+    """The call never reached the child (it could not be started, its pipe refused the
+    write, or the client cancelled first): nothing ran, so the intent is released."""
+
+    def __init__(self, message: str, *, cancelled: bool = False) -> None:
+        super().__init__(message)
+        self.cancelled = cancelled
+
+
 # -- the child process --------------------------------------------------------------------------
 class Child:
     """One child process and the wrapper's own requests waiting for its answers."""
@@ -310,11 +319,23 @@ class Proxy:
         self.stats.child_starts += 1
         self.child = child
         self._spawn(self._read_child(child))
-        if restart:
-            _stderr(f"restarted the server (start #{self.stats.child_starts})")
-            if self.init_params is not None:
-                await self._replay_handshake(child)
-        child.ready.set()
+        try:
+            if restart:
+                _stderr(f"restarted the server (start #{self.stats.child_starts})")
+                if self.init_params is not None:
+                    await self._replay_handshake(child)
+        except BaseException as exc:
+            # a child that fails its handshake is of no use: stop it, and let every caller
+            # waiting on `ready` see it gone (they would otherwise wait forever)
+            child.die()
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            if isinstance(exc, Exception) and not isinstance(exc, ChildGone):
+                msg = f"the restarted server did not complete its handshake ({exc!r})"
+                raise ChildGone(msg) from exc
+            raise
+        finally:
+            child.ready.set()
         return child
 
     async def _replay_handshake(self, child: Child) -> None:
@@ -334,7 +355,8 @@ class Proxy:
         if child is not None and child.alive:
             if not child.ready.is_set():
                 await child.ready.wait()
-            return child
+            if child.alive:
+                return child
         async with self._child_lock:
             child = self.child
             if child is not None and child.alive:
@@ -388,12 +410,23 @@ class Proxy:
         return fut
 
     async def child_request(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """Send one of the wrapper's requests (``msg["id"]`` is an own id); its answer."""
-        child = await self.ensure_child()
+        """Send one of the wrapper's requests (``msg["id"]`` is an own id); its answer.
+
+        :class:`NotSent` when it never reached the child, so a fenced call can tell "did not
+        run" (release) from "nobody knows" (abort)."""
+        try:
+            child = await self.ensure_child()
+        except ChildGone as exc:
+            raise NotSent(str(exc)) from exc
+        except asyncio.CancelledError:
+            raise NotSent("cancelled before it was sent", cancelled=True) from None
         own = msg["id"]
         fut = self._expect(child, own)
         try:
-            child.write(self._for_child(msg))
+            try:
+                child.write(self._for_child(msg))
+            except ChildGone as exc:
+                raise NotSent(str(exc)) from exc
             return await fut
         finally:
             child.pending.pop(own, None)
@@ -411,6 +444,11 @@ class Proxy:
             msg = orjson.loads(line)
         except orjson.JSONDecodeError:
             msg = None
+        if isinstance(msg, list) and any(
+            isinstance(m, dict) and m.get("method") == "tools/call" for m in msg
+        ):
+            self._refuse_batch(msg)
+            return
         if not isinstance(msg, dict):
             await self._forward(line, None)  # the child answers what it can't parse
             return
@@ -450,6 +488,25 @@ class Proxy:
         elif method == "server/discover":
             self.era = "modern"  # a handshake-era child refuses; the client then initializes
         await self._forward(line, cid, msg)
+
+    def _refuse_batch(self, batch: list[Any]) -> None:
+        """A JSON-RPC batch (MCP 2025-03-26 only) that calls a tool: relayed whole, its
+        calls would reach the child unfenced. Each of its requests is refused instead, in
+        one batch answer, and nothing is sent on."""
+        message = (
+            "effectfence wrap: a JSON-RPC batch that calls tools is refused (its calls would "
+            "bypass the fence); send each request on its own. Nothing in the batch was run."
+        )
+        answers = [
+            {"jsonrpc": "2.0", "id": m["id"], "error": {"code": -32600, "message": message}}
+            for m in batch
+            if isinstance(m, dict) and "method" in m and "id" in m
+        ]
+        self.stats.refused += sum(
+            1 for m in batch if isinstance(m, dict) and m.get("method") == "tools/call"
+        )
+        if answers:
+            self.write_client(orjson.dumps(answers) + b"\n")
 
     def _set_agent(self, name: Any) -> None:
         if type(name) is str and name.strip():
@@ -778,7 +835,7 @@ class Proxy:
             wait=True,
             wait_timeout=tp.wait,
             renew_every=tp.lease_ttl / 3,
-            did_not_fire=(ChildError,) if tp.on_error == "release" else (),
+            did_not_fire=(NotSent, ChildError) if tp.on_error == "release" else (NotSent,),
         )
         try:
             done = await run_async(
@@ -788,6 +845,20 @@ class Proxy:
             self.stats.child_errors += 1
             self.stats.tool(name, "child_error")
             self.write_client(_line({**exc.response, "id": cid}))
+            return
+        except NotSent as exc:
+            if exc.cancelled:
+                raise asyncio.CancelledError from None  # per MCP: no answer
+            self.stats.tool(name, "not_sent")
+            self._answer(
+                cid,
+                modern,
+                self._text_result(
+                    f"effectfence wrap: {exc}. `{name}` was NOT run; call again.",
+                    error=True,
+                    marker={"fenced": True, "outcome": "not_run", "intent": request.intent},
+                ),
+            )
             return
         except ChildGone as exc:
             self.stats.unknown_outcomes += 1
@@ -808,17 +879,39 @@ class Proxy:
                 ),
             )
             return
-        except InvalidRequest as exc:
-            if "response" in got:  # it ran, but its result can't be recorded: fenced
-                _stderr(f"{name}: {exc.message}; the intent is fenced")
-                self.write_client(_line({**got["response"], "id": cid}))
+        except Refusal as exc:
+            if "response" in got:
+                # it RAN (the child answered) but the ledger could not record it: the
+                # client gets what the tool did, marked unrecorded; never "NOT run"
+                self._ran_unrecorded(cid, name, got["response"], exc, request.intent)
                 return
             self._refused(cid, modern, name, exc)
             return
-        except Refusal as exc:
-            self._refused(cid, modern, name, exc)
-            return
         self._delivered(cid, modern, name, done, got.get("response"))
+
+    def _ran_unrecorded(
+        self, cid: Any, name: str, response: dict[str, Any], exc: Refusal, intent: str
+    ) -> None:
+        self.stats.executed += 1
+        self.stats.tool(name, "unrecorded")
+        _stderr(f"{name}: it ran, but the fence could not record it ({exc.code}: {exc.message})")
+        out = {**response, "id": cid}
+        result = out.get("result")
+        if isinstance(result, dict):
+            meta = result.get("_meta")
+            marker = {
+                "fenced": True,
+                "replayed": False,
+                "recorded": False,
+                "intent": intent,
+                "refused": exc.code,
+                "reason": exc.message,
+            }
+            out["result"] = {
+                **result,
+                "_meta": {**(meta if isinstance(meta, dict) else {}), META_KEY: marker},
+            }
+        self.write_client(_line(out))
 
     def _delivered(
         self, cid: Any, modern: bool, name: str, done: FencedCall, response: dict[str, Any] | None

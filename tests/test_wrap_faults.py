@@ -1,0 +1,174 @@
+"""wrap under faults, in process: a Proxy fed by a StreamReader, relaying to a real child.
+
+A store that fails after the child ran, a restarted child that fails its handshake: what
+the client is told must match what happened (it ran / it did not), and nothing hangs.
+Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from effectfence.errors import StoreUnavailable
+from effectfence.wrap.proxy import META_KEY, Proxy
+
+ROOT = Path(__file__).resolve().parent.parent
+CHILD = [sys.executable, str(ROOT / "tests" / "fixtures" / "wrap_raw_child.py")]
+BOUND = 20.0
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # the proxy is asyncio's
+
+
+class Harness:
+    def __init__(self, tmp: Path, monkeypatch: pytest.MonkeyPatch, **env: str) -> None:
+        self.ledger_path = tmp / "ledger.jsonl"
+        monkeypatch.setenv("RAW_LEDGER", str(self.ledger_path))
+        monkeypatch.setenv("RAW_STARTS", str(tmp / "starts"))
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        self.out: list[bytes] = []
+        self.proxy = Proxy(CHILD, self.out.append, store_url="memory:")
+        self.reader = asyncio.StreamReader()
+        self.task = asyncio.ensure_future(self.proxy.run(self.reader))
+        self.next_id = 0
+
+    def send(self, method: str, params: dict[str, Any] | None = None) -> int:
+        self.next_id += 1
+        msg = {"jsonrpc": "2.0", "id": self.next_id, "method": method, "params": params or {}}
+        self.reader.feed_data(json.dumps(msg).encode() + b"\n")
+        return self.next_id
+
+    def notify(self, method: str) -> None:
+        msg = {"jsonrpc": "2.0", "method": method, "params": {}}
+        self.reader.feed_data(json.dumps(msg).encode() + b"\n")
+
+    async def answer(self, rid: int) -> dict[str, Any]:
+        async with asyncio.timeout(BOUND):
+            while True:
+                for line in self.out:
+                    msg = json.loads(line)
+                    if isinstance(msg, dict) and msg.get("id") == rid:
+                        return msg  # type: ignore[no-any-return]
+                await asyncio.sleep(0.01)
+
+    async def start(self) -> None:
+        init = {
+            "protocolVersion": "2025-06-18",
+            "capabilities": {},
+            "clientInfo": {"name": "faults", "version": "1"},
+        }
+        await self.answer(self.send("initialize", init))
+        self.notify("notifications/initialized")
+        await self.answer(self.send("tools/list"))
+
+    def ledger(self) -> list[Any]:
+        if not self.ledger_path.exists():
+            return []
+        return [json.loads(x) for x in self.ledger_path.read_text().splitlines()]
+
+    async def stop(self) -> int:
+        self.reader.feed_eof()
+        async with asyncio.timeout(BOUND):
+            return await self.task
+
+
+def text(msg: dict[str, Any]) -> str:
+    return "\n".join(c.get("text", "") for c in msg["result"].get("content", []))
+
+
+def mark(msg: dict[str, Any]) -> dict[str, Any]:
+    return msg["result"]["_meta"][META_KEY]  # type: ignore[no-any-return]
+
+
+async def test_a_commit_the_store_never_takes_is_answered_as_ran_never_as_not_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The child charged; the ledger could not record it. Telling the client "NOT run"
+    would invite the retry that charges twice: the client gets the child's answer, marked
+    unrecorded, and identical calls are refused (the intent is fenced as failed)."""
+    monkeypatch.setattr("effectfence.driver.COMMIT_RETRY_PAUSES", (0.0, 0.0), raising=False)
+    h = Harness(tmp_path, monkeypatch)
+    await h.start()
+    fence = h.proxy.any_fence()
+    attempts: list[str] = []
+
+    def down(ticket: Any, result: Any) -> Any:
+        attempts.append(ticket.intent)
+        raise StoreUnavailable("the store is down (simulated)")
+
+    monkeypatch.setattr(fence, "commit", down)
+    first = await h.answer(h.send("tools/call", {"name": "charge", "arguments": {"order": 1}}))
+    assert len(attempts) == 3  # the commit was tried again before giving up
+    assert "isError" not in first["result"] and text(first) == "charged"
+    assert "NOT run" not in text(first)
+    marker = mark(first)
+    assert marker["recorded"] is False and marker["refused"] == "store_unavailable"
+    assert "RAN" in marker["reason"]
+    again = await h.answer(h.send("tools/call", {"name": "charge", "arguments": {"order": 1}}))
+    assert again["result"].get("isError") is True
+    assert mark(again)["refused"] == "intent_failed"
+    assert len(h.ledger()) == 1
+    assert await h.stop() == 0
+
+
+async def test_a_restart_that_fails_its_handshake_neither_hangs_nor_fences(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The child dies; its restart dies during the replayed handshake. The call that
+    triggered the restart never reached a child: it is told so and its intent released,
+    later messages are still answered, and the wrapper exits when the client hangs up."""
+    h = Harness(tmp_path, monkeypatch, RAW_DIE_AT_START="2")
+    await h.start()
+    h.send("tools/call", {"name": "die", "arguments": {}})  # read-only: relayed; child exits
+    async with asyncio.timeout(BOUND):
+        while h.proxy.child is not None:
+            await asyncio.sleep(0.01)
+    call = await h.answer(h.send("tools/call", {"name": "charge", "arguments": {"order": 7}}))
+    assert call["result"].get("isError") is True
+    assert "NOT run" in text(call) and mark(call)["outcome"] == "not_run"
+    intent = mark(call)["intent"]
+    assert h.proxy.any_fence().intent_status(intent).state == "absent"  # released, not failed
+    ping = await h.answer(h.send("ping"))
+    assert "result" in ping or "error" in ping
+    # the third start works: the identical call runs, once
+    ran = await h.answer(h.send("tools/call", {"name": "charge", "arguments": {"order": 7}}))
+    assert text(ran) == "charged" and mark(ran)["replayed"] is False
+    assert h.ledger() == [{"order": 7}]
+    assert await h.stop() == 0
+
+
+async def test_a_batch_that_calls_a_tool_is_refused_whole_and_runs_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Relayed as a batch, its tools/call would reach the child unfenced: twins in one
+    batch would both charge. Every request in it is refused, and nothing reaches the child."""
+    h = Harness(tmp_path, monkeypatch)
+    await h.start()
+    call = {"name": "charge", "arguments": {"order": 9}}
+    batch = [
+        {"jsonrpc": "2.0", "id": 101, "method": "tools/call", "params": call},
+        {"jsonrpc": "2.0", "id": 102, "method": "tools/call", "params": call},
+        {"jsonrpc": "2.0", "id": 103, "method": "ping"},
+    ]
+    h.reader.feed_data(json.dumps(batch).encode() + b"\n")
+    async with asyncio.timeout(BOUND):
+        while not any(line.startswith(b"[") for line in h.out):
+            await asyncio.sleep(0.01)
+    [answer] = [json.loads(line) for line in h.out if line.startswith(b"[")]
+    assert sorted(a["id"] for a in answer) == [101, 102, 103]
+    assert all(a["error"]["code"] == -32600 for a in answer)
+    one = await h.answer(h.send("tools/call", call))  # one by one, the call is fenced
+    assert text(one) == "charged"
+    assert h.ledger() == [{"order": 9}]
+    assert await h.stop() == 0
