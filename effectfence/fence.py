@@ -313,8 +313,11 @@ class EffectFence:
             raise ValueError(f"unknown refusal code {code!r}")
         self._count(code)
 
-    def stats(self) -> dict[str, Any]:
-        """Every prepare attempt in exactly one bucket, plus event counts and sizes."""
+    def stats(self, *, size: bool = True) -> dict[str, Any]:
+        """Every prepare attempt in exactly one bucket, plus event counts and sizes.
+
+        ``size=False`` leaves out the one figure that needs the store (its record counts):
+        the rest is this process's own, readable while the store is down."""
         load = self._stats.load_slot
         prepare = {k: load(self._slot[k]) for k in PREPARE_BUCKETS}
         out: dict[str, Any] = {
@@ -323,8 +326,9 @@ class EffectFence:
             **{k: load(self._slot[k]) for k in EVENT_BUCKETS},
             "store": self.store.name,
             "counters": self.store.counters_backend,
-            "size": self.store.size(),
         }
+        if size:
+            out["size"] = self.store.size()
         return out
 
     # -- payloads -------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import binascii
 import hmac
 import json
 import os
+import re
 import secrets
 from typing import Any
 
@@ -26,6 +27,7 @@ __all__ = ["TICKET_KEY_ENV", "TicketSigner"]
 
 TICKET_KEY_ENV = "EFFECTFENCE_TICKET_KEY"
 _MAX_WIRE = 4 << 20
+_MAC = re.compile(r"[0-9a-f]{64}")
 
 
 class TicketSigner:
@@ -79,8 +81,9 @@ class TicketSigner:
         if type(wire) is not str or not wire or len(wire) > _MAX_WIRE:
             raise InvalidTicket("a ticket must be the non-empty string prepare returned")
         head, dot, mac = wire.rpartition(".")
-        if not dot or len(mac) != 64:
-            raise InvalidTicket("malformed ticket: expected <body>.<mac>")
+        # checked before compare_digest, which raises TypeError (not a refusal) on non-ASCII
+        if not dot or not _MAC.fullmatch(mac):
+            raise InvalidTicket("malformed ticket: expected <body>.<mac of 64 lowercase hex>")
         try:
             body = base64.urlsafe_b64decode(head + "=" * (-len(head) % 4))
         except (binascii.Error, ValueError) as exc:

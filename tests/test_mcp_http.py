@@ -13,7 +13,8 @@ import random
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +22,18 @@ import anyio
 import httpx2 as httpx
 import pytest
 from mcp import ClientSession
+from mcp.server import MCPServer
 from mcp_support import HttpServer, child_env, http_server, http_session
 from mcp_types import CallToolResult
+from starlette.types import ASGIApp
 from support import sqlite_path
 
 from effectfence import EffectFence, FenceConfig
-from effectfence.mcp.http import Principals, check_exposure, parse_bind
-from effectfence.mcp.server import HTTP_CLEARER
+from effectfence.errors import StoreUnavailable
+from effectfence.mcp.http import Principals, build_app, check_exposure, listen_socket, parse_bind
+from effectfence.mcp.server import HTTP_CLEARER, build_server
+from effectfence.mcp.telemetry import Metrics
+from effectfence.store.memory import MemoryStore
 
 pytestmark = pytest.mark.anyio
 
@@ -555,6 +561,31 @@ async def test_dns_rebinding_protection_stays_on(server: HttpServer) -> None:
         assert r.status_code == 421
 
 
+async def test_a_session_is_bound_to_the_principal_that_opened_it(server: HttpServer) -> None:
+    """A session id is no credential: bob's own valid token with alice's session id is
+    answered as if the session did not exist, and cannot end it."""
+    stats_call = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "tools/call",
+        "params": {"name": "fence_stats", "arguments": {}},
+    }
+    async with httpx.AsyncClient(timeout=TIMEOUT) as http:
+        alice = await _raw_session(http, server.url, TOKENS["alice"])
+        bob = {**alice, "Authorization": f"Bearer {TOKENS['bob']}"}
+        r = await http.post(server.url, json=stats_call, headers=bob)
+        assert r.status_code == 404, r.text
+        assert "attempts" not in r.text
+        r = await http.delete(server.url, headers=bob)
+        assert r.status_code == 404, r.text
+        # alice's session is alive, and alice (only) can end it
+        r = await http.post(server.url, json=stats_call, headers=alice)
+        assert r.status_code == 200 and "attempts" in r.text, r.text
+        assert (await http.delete(server.url, headers=alice)).status_code == 200
+        r = await http.post(server.url, json=stats_call, headers=alice)
+        assert r.status_code == 404
+
+
 async def test_http_survives_bytes_no_client_would_send(server: HttpServer) -> None:
     """Malformed JSON-RPC, oversized bodies, wrong content types and methods, and a few
     hundred mutations of a real call: each answered (no hang), the server alive, and no
@@ -675,6 +706,120 @@ async def test_metrics_and_decision_log(server: HttpServer) -> None:
         assert set(d) >= {"tool", "intent", "domain", "principal", "outcome", "token", "latency_ms"}
     assert mine[0]["token"] == mine[2]["token"] and mine[0]["latency_ms"] >= 0
     assert not any(SECRET_ARG in line for line in server.lines)
+
+
+@asynccontextmanager
+async def _in_process(app: ASGIApp) -> AsyncIterator[str]:
+    """``app`` served by uvicorn on 127.0.0.1 in this process, for what a subprocess cannot
+    be handed (a failing store, a lifespan that ends); its base URL."""
+    import uvicorn
+
+    sock = listen_socket("127.0.0.1", 0)
+    config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on")
+    srv = uvicorn.Server(config)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(srv.serve, [sock])
+        with anyio.fail_after(TIMEOUT):
+            while not srv.started:
+                await anyio.sleep(0.01)
+        try:
+            yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+        finally:
+            srv.should_exit = True
+
+
+async def test_healthz_is_not_ok_once_the_mcp_apps_lifespan_has_ended() -> None:
+    """An error in the lifespan's task group (the idle sweeper's, once) ends it and with it
+    the SDK's session manager, while uvicorn serves on: /healthz must say so, for a
+    supervisor to restart the server, and /mcp answers 503 rather than a traceback."""
+    end = anyio.Event()
+
+    @asynccontextmanager
+    async def lifespan(_app: MCPServer[None]) -> AsyncIterator[None]:
+        async def fail() -> None:
+            await end.wait()
+            raise StoreUnavailable("the store went away; nothing was decided")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(fail)
+            yield None
+
+    fence = EffectFence()
+    app = build_app(
+        MCPServer("ends", lifespan=lifespan), fence, Metrics(), host="127.0.0.1", principals=None
+    )
+    async with _in_process(app) as base, httpx.AsyncClient(timeout=TIMEOUT) as http:
+        health = await http.get(base + "/healthz")
+        assert health.status_code == 200 and health.json()["ok"] is True
+        await _raw_session(http, base + "/mcp", "no-token-needed-on-loopback")
+        end.set()
+        with anyio.fail_after(TIMEOUT):
+            while (health := await http.get(base + "/healthz")).status_code == 200:
+                await anyio.sleep(0.01)
+        assert health.status_code == 503
+        assert health.json() == {"ok": False, "store": "memory", "error": "mcp_not_serving"}
+        r = await http.post(base + "/mcp", json={}, headers=MCP_HEADERS)
+        assert r.status_code == 503 and r.json()["error"] == "unavailable"
+
+
+class _SizeOutageStore(MemoryStore):
+    """A memory store whose size() raises StoreUnavailable while ``down``."""
+
+    down = False
+
+    def size(self) -> dict[str, int]:
+        if self.down:
+            raise StoreUnavailable("the test store is down; nothing was decided")
+        return super().size()
+
+
+def _samples(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+async def test_metrics_answer_during_a_store_outage_without_the_stores_figures() -> None:
+    """A scrape during an outage once answered 500 and logged a traceback each time."""
+    store = _SizeOutageStore()
+    fence, metrics = EffectFence(store=store), Metrics()
+    server = build_server(fence, metrics=metrics)
+    app = build_app(server, fence, metrics, host="127.0.0.1", principals=None)
+    async with _in_process(app) as base, httpx.AsyncClient(timeout=TIMEOUT) as http:
+        async with http_session(base + "/mcp") as session:
+            t = ok(await session.call_tool("fence_prepare", req("outage:1")))["prepared"]
+            ok(await session.call_tool("fence_commit", {"prepared": t, "result": 1}))
+        up = await http.get(base + "/metrics")
+        assert up.status_code == 200, up.text
+        before = _samples(up.text)
+        assert before["effectfence_store_up"] == 1 and before["effectfence_store_records"] == 1
+        store.down = True
+        down = await http.get(base + "/metrics")
+        assert down.status_code == 200, down.text
+        assert down.headers["content-type"].startswith("text/plain; version=0.0.4")
+        during = _samples(down.text)
+        assert during["effectfence_store_up"] == 0
+        # this server's own counters are all there; what needs the store is left out
+        calls = {k: v for k, v in during.items() if k.startswith("effectfence_tool_calls_total")}
+        assert calls == {
+            k: v for k, v in before.items() if k.startswith("effectfence_tool_calls_total")
+        }
+        assert calls['effectfence_tool_calls_total{tool="fence_commit",outcome="committed"}'] == 1
+        assert during['effectfence_fence_seconds_count{tool="fence_prepare"}'] == 1
+        assert 'effectfence_info{version="' in down.text
+        assert "effectfence_store_records" not in during
+        # the fence's own counters live in this process: still there
+        attempts = {k: v for k, v in during.items() if "prepare_attempts_total" in k}
+        assert attempts and attempts == {
+            k: v for k, v in before.items() if "prepare_attempts_total" in k
+        }
+        assert during["effectfence_commits_total"] == 1
+        store.down = False
+        back = _samples((await http.get(base + "/metrics")).text)
+        assert back["effectfence_store_up"] == 1 and back["effectfence_store_records"] == 1
 
 
 # -- the socket ---------------------------------------------------------------------------

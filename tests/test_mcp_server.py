@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 from typing import Any
 
 import anyio
@@ -18,10 +19,13 @@ from mcp_types import CallToolResult
 from support import FakeClock
 
 from effectfence import EffectFence, EffectRequest, FenceConfig
+from effectfence.errors import StoreUnavailable
 from effectfence.fence import MAX_CLEAR_TEXT
 from effectfence.mcp.models import CertModel, CommitOutput, PrepareOutput
 from effectfence.mcp.server import STDIO_CLEARER, build_server, main
+from effectfence.mcp.telemetry import Metrics
 from effectfence.operator.views import clear_view
+from effectfence.store.memory import MemoryStore
 from effectfence.tickets import TicketSigner
 
 pytestmark = pytest.mark.anyio
@@ -500,6 +504,26 @@ async def test_forged_edited_and_truncated_tickets_are_refused_and_change_nothin
         ok(await client.call_tool("fence_commit", {"prepared": ticket, "result": 1}))
 
 
+async def test_a_ticket_whose_mac_is_not_hex_is_refused_invalid_ticket_and_counted() -> None:
+    """Such a MAC once raised TypeError in the signer: an untyped error to the caller, the
+    call neither logged nor counted."""
+    fence, metrics = EffectFence(), Metrics()
+    async with connect(build_server(fence, metrics=metrics)) as client:
+        ticket = ok(await prepare(client))["prepared"]
+        before = snapshot(fence, "charge:1")
+        for tool, extra in (
+            ("fence_commit", {"result": 1}),
+            ("fence_abort", {"reason": "x"}),
+            ("fence_release", {}),
+            ("fence_renew", {}),
+        ):
+            res = await client.call_tool(tool, {"prepared": "eyJ9." + "\u00e9" * 64, **extra})
+            assert "malformed" in refusal(res, "invalid_ticket")["message"], tool
+            assert metrics.calls[(tool, "invalid_ticket")] == 1, tool
+            assert snapshot(fence, "charge:1") == before, tool
+        ok(await client.call_tool("fence_commit", {"prepared": ticket, "result": 1}))
+
+
 async def test_a_ticket_replayed_after_a_takeover_is_refused_lease_lost() -> None:
     clock = FakeClock()
     fence = EffectFence(FenceConfig(lease_ttl=5.0, clock=clock, auto_sweep=False))
@@ -714,6 +738,54 @@ async def test_an_idle_server_sweeps_expired_records() -> None:
         stats = ok(await client.call_tool("fence_stats", {}))
         assert stats["server"]["idle_sweeps"] >= 1
         assert stats["events"]["reclaimed"] == 2
+
+
+class _SweepOutageStore(MemoryStore):
+    """A memory store whose sweep raises StoreUnavailable while ``down``, as a server
+    store's does while it is unreachable."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.down = True
+        self.failed = 0
+        self.failing = anyio.Event()  # set at the third failed sweep
+        self.swept = anyio.Event()  # set at the first sweep once back
+
+    def sweep(self, limit: int | None = None) -> int:
+        if self.down:
+            self.failed += 1
+            if self.failed >= 3:
+                self.failing.set()
+            raise StoreUnavailable("the test store is down; nothing was decided")
+        self.swept.set()
+        return super().sweep(limit)
+
+
+async def test_the_idle_sweeper_survives_a_store_outage_and_logs_it_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An error out of the sweeper once ended the server's lifespan, and with it every
+    later call, the store's return notwithstanding."""
+    store = _SweepOutageStore(clock=FakeClock())
+    fence = EffectFence(FenceConfig(sweep_interval=0.01), store=store)
+    with caplog.at_level(logging.WARNING, logger="effectfence.mcp.server"):
+        async with connect(build_server(fence)) as client:
+            with anyio.fail_after(10):
+                await store.failing.wait()
+            # still answering during the outage
+            assert ok(await client.call_tool("fence_status", {"intent": "x"}))["state"] == "absent"
+            store.down = False
+            with anyio.fail_after(10):
+                await store.swept.wait()
+            fresh = ok(await prepare(client))
+            ok(await client.call_tool("fence_commit", {"prepared": fresh["prepared"], "result": 1}))
+            stats = ok(await client.call_tool("fence_stats", {}))
+            assert stats["server"]["idle_sweeps"] >= 1
+    lines = [r.getMessage() for r in caplog.records if r.name == "effectfence.mcp.server"]
+    assert store.failed >= 3 and len(lines) == 2, lines  # when it failed, when it recovered
+    assert lines[0].startswith("idle sweep failed") and "the test store is down" in lines[0]
+    assert lines[1] == f"idle sweep recovered after {store.failed} failed attempts"
+    assert not any(r.exc_info for r in caplog.records)  # an outage is no bug: no traceback
 
 
 @pytest.mark.parametrize("freeze", [False, True])

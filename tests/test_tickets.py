@@ -75,3 +75,22 @@ def test_key_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError):
         TicketSigner()
     assert "zq" not in repr(TicketSigner(b"zq" * 16))
+
+
+def test_a_mac_that_is_not_64_lowercase_hex_is_refused_malformed(fence: EffectFence) -> None:
+    """Non-ASCII in the MAC once reached hmac.compare_digest, which raised TypeError: an
+    untyped error instead of a refusal."""
+    signer = TicketSigner(b"k" * 32)
+    wire = _prepare(fence)
+    body, mac = wire.rsplit(".", 1)
+    for bad in (
+        "eyJ9." + "\u00e9" * 64,  # the reviewer's: 64 characters, none of them ASCII
+        f"{body}.{mac[:-1]}\u00e9",  # the genuine MAC, its last digit made non-ASCII
+        body + "." + "\uff10" * 64,  # fullwidth digits: digits, but not hex
+        f"{body}.{mac.upper()}",
+        f"{body}.{mac[:-1]} ",
+        f"{body}.{mac[:-1]}\n",
+    ):
+        with pytest.raises(InvalidTicket, match="malformed ticket"):
+            signer.open(bad)
+    fence.commit(signer.open(wire), "ok")  # the genuine ticket is untouched

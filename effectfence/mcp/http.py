@@ -3,7 +3,7 @@
 The path of a request::
 
     client ── uvicorn ── _Gate ──────────────────── the SDK's Starlette app ── the tools
-                          │ /healthz  (no token: is the store reachable?)    /mcp: DNS-rebinding
+                          │ /healthz  (no token: store reachable, /mcp up?)  /mcp: DNS-rebinding
                           │ /console/ (with --console: the operator's page,    protection, body
                           │           which checks the same tokens itself)     limit, sessions
                           │ bearer token -> principal, else 401
@@ -14,7 +14,9 @@ Rules, each enforced here and nowhere else:
 
 1. With a tokens file, every request but ``/healthz`` carries ``Authorization: Bearer
    <token>`` naming a principal, or is answered 401 before anything reads it. The check
-   runs per request, not per session: a session id is not a credential.
+   runs per request, not per session: a session id is not a credential. A session belongs
+   to the principal that opened it (the SDK's own check, fed ``scope["user"]``): another
+   principal naming it is answered 404, as for a session that does not exist.
 2. Without a tokens file the server binds only a loopback address (``check_exposure``):
    an open fence on a network would let anyone prepare and commit.
 3. DNS-rebinding protection (the SDK's Host and Origin checks) is always on; the allowed
@@ -48,10 +50,14 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 from mcp.server import MCPServer
+from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
+from mcp.server.auth.provider import AccessToken
 from mcp.server.transport_security import TransportSecurityMiddleware, TransportSecuritySettings
+from starlette.authentication import AuthCredentials
 from starlette.requests import Request
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from effectfence.errors import StoreUnavailable
 from effectfence.fence import EffectFence
 from effectfence.mcp.server import PRINCIPAL_SCOPE_KEY
 from effectfence.mcp.telemetry import Metrics
@@ -273,10 +279,17 @@ class _Gate:
         self.security = TransportSecurityMiddleware(security)
         self.offload = fence.store.name != "memory"
         self.console = console
+        #: whether the SDK app's lifespan (its session manager's task group) is running:
+        #: without it every /mcp request fails, so /healthz must not say ok
+        self.serving = False
+        self._users: dict[str, AuthenticatedUser] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(scope, receive, send)
+            return
         if scope["type"] != "http":
-            await self.app(scope, receive, send)  # lifespan
+            await self.app(scope, receive, send)
             return
         path = scope["path"]
         console = self.console is not None and (
@@ -311,17 +324,55 @@ class _Gate:
                     headers=[(b"www-authenticate", b'Bearer realm="effectfence"')],
                 )
                 return
-            scope = {**scope, PRINCIPAL_SCOPE_KEY: principal}
+            # "user" is what the SDK binds a session to: another principal presenting
+            # this session's id is answered as if it did not exist
+            scope = {
+                **scope,
+                PRINCIPAL_SCOPE_KEY: principal,
+                "user": self._user(principal),
+                "auth": AuthCredentials(),
+            }
         if path == METRICS_PATH:
             await self._metrics(send)
             return
+        if not self.serving:
+            # the SDK would raise (500, a traceback) on every request: say what is wrong
+            body = {"error": "unavailable", "message": "the MCP endpoint is not running"}
+            await _respond(send, 503, _json(body))
+            return
         await self.app(scope, receive, send)
+
+    def _user(self, principal: str) -> AuthenticatedUser:
+        """The SDK's view of a principal, made once; it never holds the token itself."""
+        user = self._users.get(principal)
+        if user is None:
+            token = AccessToken(token="", client_id=principal, scopes=[])
+            user = self._users[principal] = AuthenticatedUser(token)
+        return user
+
+    async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Run the SDK app's lifespan, noting while it runs: if it ends early (an error in
+        its task group), uvicorn keeps serving, and /healthz must then say not ok."""
+
+        async def watch(message: Message) -> None:
+            if message["type"] == "lifespan.startup.complete":
+                self.serving = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        finally:
+            self.serving = False
 
     async def _health(self, send: Send) -> None:
         def probe() -> None:
             # a query: never creates state, but goes all the way to the store
             self.fence.intent_status("effectfence:healthz")
 
+        if not self.serving:
+            body = {"ok": False, "store": self.fence.store.name, "error": "mcp_not_serving"}
+            await _respond(send, 503, _json(body))
+            return
         try:
             with anyio.fail_after(HEALTH_TIMEOUT):
                 if self.offload:
@@ -371,10 +422,16 @@ class _Gate:
         await _respond(send, status, data, ctype, headers=out)
 
     async def _metrics(self, send: Send) -> None:
-        if self.offload:
-            stats = await anyio.to_thread.run_sync(self.fence.stats)
-        else:
-            stats = self.fence.stats()
+        """Answered during a store outage too (a scrape is how the operator sees it): the
+        store's record counts are left out, with store_up 0; every counter kept in this
+        process is still there."""
+        try:
+            if self.offload:
+                stats = await anyio.to_thread.run_sync(self.fence.stats)
+            else:
+                stats = self.fence.stats()
+        except StoreUnavailable:
+            stats = self.fence.stats(size=False)
         text = self.metrics.render(self.fence, stats)
         await _respond(send, 200, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
 

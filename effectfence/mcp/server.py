@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import logging
 import math
 import os
 import sys
@@ -67,7 +68,7 @@ from effectfence import __version__
 from effectfence.cert import EffectCert, verify_chain
 from effectfence.counters import backend_info
 from effectfence.driver import Offloader
-from effectfence.errors import InvalidRequest, InvalidTicket, Refusal
+from effectfence.errors import InvalidRequest, InvalidTicket, Refusal, StoreUnavailable
 from effectfence.fence import DEFAULT_LEASE_TTL, DEFAULT_RESULT_TTL, EffectFence, FenceConfig
 from effectfence.mcp.models import (
     AbortInput,
@@ -117,6 +118,9 @@ SERVER_NAME = "effectfence"
 ALLOW_CLEAR_ENV = "EFFECTFENCE_ALLOW_CLEAR"
 _MEMORY_STORES = ("memory", "memory:", "memory://")
 _MAX_REPORTED_ERRORS = 20
+#: the longest a failing idle sweep waits before trying again (seconds)
+SWEEP_BACKOFF_MAX = 30.0
+_log = logging.getLogger(__name__)
 #: where the HTTP gate puts the authenticated principal in the ASGI scope of a request
 PRINCIPAL_SCOPE_KEY = "effectfence.principal"
 #: who fence_clear records when no token names the caller: over stdio (or in memory), and
@@ -692,14 +696,37 @@ class _FenceTools:
         )
 
     async def sweep_forever(self) -> None:
-        """Reclaim expired records while the server idles (prepare also sweeps on its way)."""
+        """Reclaim expired records while the server idles (prepare also sweeps on its way).
+
+        A failed sweep never ends the loop: escaping the lifespan's task group, it ended
+        the lifespan and every later /mcp request with it. Failures back off and are logged
+        on a change of state only (failing, recovered), so an outage does not flood the log."""
         cfg = self.fence.config
+        delay = cfg.sweep_interval
+        failures = 0
         while True:
-            await anyio.sleep(cfg.sweep_interval)
-            if self.offload:
-                await anyio.to_thread.run_sync(self.fence.sweep, cfg.sweep_batch)
-            else:
-                self.fence.sweep(cfg.sweep_batch)
+            await anyio.sleep(delay)
+            try:
+                if self.offload:
+                    await anyio.to_thread.run_sync(self.fence.sweep, cfg.sweep_batch)
+                else:
+                    self.fence.sweep(cfg.sweep_batch)
+            except Exception as exc:
+                if not failures:
+                    _log.warning(
+                        "idle sweep failed, retrying with back-off (logged again once it "
+                        "recovers): %s: %s",
+                        type(exc).__name__,
+                        exc,
+                        # a store outage is expected; anything else is a bug worth its trace
+                        exc_info=not isinstance(exc, StoreUnavailable),
+                    )
+                failures += 1
+                delay = min(delay * 2, max(cfg.sweep_interval, SWEEP_BACKOFF_MAX))
+                continue
+            if failures:
+                _log.warning("idle sweep recovered after %d failed attempts", failures)
+                failures, delay = 0, cfg.sweep_interval
             self.idle_sweeps += 1
 
 

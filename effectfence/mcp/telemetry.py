@@ -10,7 +10,8 @@ Logs are standard :mod:`logging` on the ``effectfence.mcp.decisions`` logger at 
 embedding application routes them as it likes; ``effectfence serve`` writes them as JSON lines
 on stderr (:func:`configure_logging`). Metrics are plain counters updated on the event loop
 thread (one writer, no locks) and rendered in the Prometheus text format (version 0.0.4) by
-:meth:`Metrics.render`; the fence's own statistics are read at render time.
+:meth:`Metrics.render`; the fence's own statistics are read per scrape; when the store does
+not answer, its record counts are left out and ``effectfence_store_up`` is 0.
 
 This module imports neither ``mcp`` nor any HTTP library.
 """
@@ -171,6 +172,9 @@ class Metrics:
             self.in_flight = max(0, self.in_flight - 1)
 
     def render(self, fence: EffectFence, stats: dict[str, Any] | None = None) -> str:
+        """The text of ``/metrics``; ``stats`` is ``fence.stats()`` (read here if not
+        given), without ``size`` when the store did not answer: its record counts are then
+        left out and ``effectfence_store_up`` is 0, so a scrape during an outage succeeds."""
         from effectfence import __version__
 
         s = stats if stats is not None else fence.stats()
@@ -183,11 +187,19 @@ class Metrics:
                 v = repr(float(value)) if isinstance(value, float) else str(value)
                 out.append(f"{name}{labels} {v}")
 
+        store, counters = str(fence.store.name), str(fence.store.counters_backend)
         family(
             "effectfence_info",
             "gauge",
             "This server: version, store and counter table.",
-            [(_labels(version=__version__, store=str(s["store"]), counters=str(s["counters"])), 1)],
+            [(_labels(version=__version__, store=store, counters=counters), 1)],
+        )
+        family(
+            "effectfence_store_up",
+            "gauge",
+            "1 if the store answered this scrape; 0 if not (effectfence_store_records is "
+            "then left out).",
+            [("", 1 if "size" in s else 0)],
         )
         family(
             "effectfence_prepare_attempts_total",
@@ -221,12 +233,13 @@ class Metrics:
             "through it (a lapsed lease counts until it is taken over).",
             [("", self.in_flight)],
         )
-        family(
-            "effectfence_store_records",
-            "gauge",
-            "Intent records the store holds now (in flight, done and failed).",
-            [("", int(s.get("size", {}).get("records", 0)))],
-        )
+        if "size" in s:
+            family(
+                "effectfence_store_records",
+                "gauge",
+                "Intent records the store holds now (in flight, done and failed).",
+                [("", int(s["size"].get("records", 0)))],
+            )
         out.append(
             "# HELP effectfence_fence_seconds Time spent in the fence (its store) per tool call."
         )
