@@ -82,6 +82,13 @@ DEFAULT_LEASE_TTL = 30.0
 DEFAULT_RESULT_TTL = 24 * 3600.0
 DEFAULT_SWEEP_INTERVAL = 1.0
 DEFAULT_SWEEP_BATCH = 10_000
+
+#: what a commit refused store_unavailable tells its caller to do (the effect has run)
+COMMIT_UNAVAILABLE_RECOVER = (
+    "the effect ran but its result is not recorded yet: call commit again with the same "
+    "ticket and result (safe to repeat); do NOT run the effect again"
+)
+
 #: due wheel entries each prepare visits when any are due: far more than one attempt
 #: schedules (a lease and a result), so reclaiming keeps pace with admission at any rate and
 #: a backlog left by a quiet spell drains within a few thousand calls, ~5 us each (G8)
@@ -635,19 +642,25 @@ class EffectFence:
             ticket.agent,
             digest,
         )
-        step = self._ticket_step(
-            self.store.complete,
-            intent,
-            ticket.token,
-            cert,
-            fingerprint=fp,
-            result_ttl=self._result_ttl,
-            reclaim_after=self._result_reclaim,
-            compare=compare,
-            own_seq=own_seq,
-            stale_reason=_STALE_REASON,
-            stale_reclaim_after=self._failed_reclaim,
-        )
+        try:
+            step = self._ticket_step(
+                self.store.complete,
+                intent,
+                ticket.token,
+                cert,
+                fingerprint=fp,
+                result_ttl=self._result_ttl,
+                reclaim_after=self._result_reclaim,
+                compare=compare,
+                own_seq=own_seq,
+                stale_reason=_STALE_REASON,
+                stale_reclaim_after=self._failed_reclaim,
+            )
+        except StoreUnavailable as exc:
+            # "retry later; nothing was decided" is true of this step, but a caller reads
+            # it about the effect, which ran: say which retry is the safe one
+            exc.recover = COMMIT_UNAVAILABLE_RECOVER
+            raise
         outcome = step.outcome
         if outcome is APPLIED:
             self._inc(self._slot_commits)

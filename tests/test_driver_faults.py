@@ -159,3 +159,16 @@ async def test_a_caller_cancelled_while_its_prepare_runs_off_the_loop_leaves_not
     again = fence.prepare(req())
     assert again.fresh  # an identical call runs: nothing was left fenced
     offloader.close()
+
+
+def test_a_commit_refused_unavailable_says_to_commit_again_not_to_run_again() -> None:
+    """The store's own recover ("retry later; nothing was decided") is about the step; read
+    about the effect, which ran, it invites running it twice (MCP agents read `recover`)."""
+    store = Flaky(complete=1)
+    fence = EffectFence(store=store)
+    adm = fence.prepare(req())
+    with pytest.raises(StoreUnavailable) as caught:
+        fence.commit(adm.ticket, "charged")
+    assert caught.value.retryable is True
+    assert "commit again" in caught.value.recover and "do NOT run" in caught.value.recover
+    assert fence.commit(adm.ticket, "charged").result == "charged"  # and so it is safe

@@ -167,8 +167,10 @@ fence_prepare and what the tool returned. The effect is recorded exactly once an
 duplicate fence_prepare of the intent now replays this result. Returns the certificate.
 Errors: lease_lost -> your lease was taken over or the intent already finished: do NOT
 report success; check fence_status and reconcile. read_set_stale -> the effect ran but a
-domain you read moved meanwhile; the intent is now failed: reconcile. invalid_ticket -> pass
-the ticket exactly as fence_prepare returned it."""
+domain you read moved meanwhile; the intent is now failed: reconcile. store_unavailable ->
+the result is NOT recorded yet: call fence_commit again with the same ticket and result (safe
+to repeat), and do NOT run the real tool again; if it keeps failing, fence_abort.
+invalid_ticket -> pass the ticket exactly as fence_prepare returned it."""
 
 _ABORT_DESC = """\
 Give up on an effect whose outcome is UNKNOWN: the real tool failed in a way that MAY have
