@@ -96,8 +96,16 @@ def fenced(
     offload = fence.store.shared  # a store doing I/O must not block the event loop
 
     def decorate(fn: Callable[P, R]) -> Callable[P, R]:
+        if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+            # its body runs only when iterated, after the fence has recorded the call
+            raise TypeError(
+                f"can't fence the generator function {fn.__name__}: its body would run "
+                "after the fence recorded the call; fence a function that does the effect "
+                "and returns its result"
+            )
         sig = inspect.signature(fn)
-        tool_name = tool or f"{fn.__module__}.{fn.__qualname__}"
+        qualname = getattr(fn, "__qualname__", type(fn).__qualname__)  # or a callable object
+        tool_name = tool or f"{fn.__module__}.{qualname}"
         bind = _binder(sig, tool_name)
 
         def build(a: tuple[Any, ...], kw: dict[str, Any]) -> EffectRequest:
@@ -111,7 +119,7 @@ def fenced(
                 render_agent(bound),
             )
 
-        if inspect.iscoroutinefunction(fn):
+        if _is_async(fn):
             afn = cast(Callable[..., Any], fn)
 
             async def acall(*a: Any, **kw: Any) -> FencedCall:
@@ -138,6 +146,14 @@ def fenced(
         return cast(Callable[P, R], wrapper)
 
     return decorate
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    """An ``async def`` function, or an object whose ``__call__`` is one: taken for a plain
+    function, its call returns an un-run coroutine that the fence can't record, and the
+    intent was fenced as failed for an effect that never ran."""
+    call = type(fn).__call__ if not inspect.isfunction(fn) else None
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(call)
 
 
 def _binder(

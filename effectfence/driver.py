@@ -18,12 +18,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
 import queue
 import threading
 import time
 from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from effectfence.cert import EffectCert
 from effectfence.errors import IntentInFlight, InvalidRequest, Refusal, StoreUnavailable
@@ -113,6 +114,13 @@ COMMIT_RETRY_PAUSES = (0.05, 0.2, 0.5, 1.0)
 RENEW_RETRY_FACTOR = 0.25
 
 
+_T = TypeVar("_T")
+
+#: work that outlives a cancelled caller (settling an admission, finishing a commit): held
+#: here so it is not garbage-collected before it is done
+_SETTLING: set[asyncio.Future[Any]] = set()
+
+
 class _NotStarted(Exception):
     """The caller went away between the admission and the effect: nothing ran."""
 
@@ -143,35 +151,58 @@ def drive(
         result = yield Run(ticket, options.renew_every)
     except BaseException as exc:
         if isinstance(exc, (_NotStarted, *options.did_not_fire)):
-            fence.release(ticket)
+            what, settle = "released", functools.partial(fence.release, ticket)
         else:
             # the reason is shown to every later caller of this intent: name the
             # exception's type, never its text (which may carry payment details)
-            fence.abort(ticket, f"the function raised {type(exc).__name__}")
+            reason = f"the function raised {type(exc).__name__}"
+            what, settle = "fenced as failed", functools.partial(fence.abort, ticket, reason)
+        if isinstance(exc, GeneratorExit):  # closed: it may not yield, one attempt only
+            with contextlib.suppress(StoreUnavailable):
+                settle()
+            raise
+        try:
+            yield from _again(settle)
+        except StoreUnavailable as lost:
+            # the caller hears its own exception, not "nothing was decided", which would
+            # invite a retry of an effect that may have fired
+            exc.add_note(
+                f"effectfence: intent {ticket.intent!r} could not be {what} ({lost.message}); "
+                "it stays in flight until its lease lapses"
+            )
         raise
     try:
         cert = yield from _record(fence, ticket, result)
     except InvalidRequest as exc:
         # it ran, but its result can't be recorded: fence the intent, say why
-        fence.abort(ticket, f"result not recordable: {exc.message}"[:1000])
+        reason = f"result not recordable: {exc.message}"[:1000]
+        with contextlib.suppress(StoreUnavailable):
+            yield from _again(functools.partial(fence.abort, ticket, reason))
         raise
     return FencedCall(result, cert, True)
+
+
+def _again(step: Callable[[], _T]) -> Generator[Instruction, Any, _T]:
+    """``step()``, tried again after each of :data:`COMMIT_RETRY_PAUSES` while the store is
+    unavailable: a store step that settles an effect (commit, abort, release) is safe to
+    repeat, and a short outage is better ridden out than left to the lease. The last
+    attempt's StoreUnavailable is raised."""
+    for pause in COMMIT_RETRY_PAUSES:
+        try:
+            return step()
+        except StoreUnavailable:
+            yield Pause(pause)
+    return step()
 
 
 def _record(
     fence: EffectFence, ticket: PreparedEffect, result: Any
 ) -> Generator[Instruction, Any, EffectCert]:
-    """Commit an effect that ran. While the store is unavailable the commit is tried again
-    (:data:`COMMIT_RETRY_PAUSES`); if it never answers, the intent is fenced as failed if
-    the store lets us, and the refusal says plainly that the effect RAN: "nothing was
-    decided" would invite the very retry that runs it twice."""
-    for pause in COMMIT_RETRY_PAUSES:
-        try:
-            return fence.commit(ticket, result)
-        except StoreUnavailable:
-            yield Pause(pause)
+    """Commit an effect that ran (:func:`_again`). If the store never answers, the intent
+    is fenced as failed if the store lets us, and the refusal says plainly that the effect
+    RAN: "nothing was decided" would invite the very retry that runs it twice."""
     try:
-        return fence.commit(ticket, result)
+        return (yield from _again(functools.partial(fence.commit, ticket, result)))
     except StoreUnavailable as exc:
         reason = "it ran, but its result could not be recorded: the store was unavailable"
         try:
@@ -282,12 +313,41 @@ async def run_async(
             result = await effect(instr.ticket)
         except BaseException as exc:
             _stop_task(task)
-            finished, instr = await step("throw", exc)
-            continue
+            return await _conclude(step, "throw", exc)
         _stop_task(task)
-        finished, instr = await step("send", result)
+        return await _conclude(step, "send", result)
     call: FencedCall = instr
     return call
+
+
+async def _conclude(
+    step: Callable[..., Awaitable[tuple[bool, Any]]], how: str, value: Any
+) -> FencedCall:
+    """What follows the effect (commit, or abort / release, with their retries), carried
+    to its end even if the caller is cancelled meanwhile: a commit left half-tried would
+    leave the intent in flight, and an identical call would run the effect again once the
+    lease lapsed. The caller's cancellation still reaches the caller at once."""
+
+    async def finish() -> FencedCall:
+        finished, instr = await step(how, value)
+        while not finished:
+            if not isinstance(instr, Pause):  # after the effect, drive only pauses
+                raise AssertionError(f"unexpected instruction after the effect: {instr!r}")
+            await asyncio.sleep(instr.seconds)
+            finished, instr = await step("send")
+        done: FencedCall = instr
+        return done
+
+    fut = asyncio.ensure_future(finish())
+    _SETTLING.add(fut)
+    fut.add_done_callback(_forget)
+    return await asyncio.shield(fut)
+
+
+def _forget(fut: asyncio.Future[Any]) -> None:
+    _SETTLING.discard(fut)
+    if not fut.cancelled():
+        fut.exception()  # retrieved: a caller cancelled meanwhile will never read it
 
 
 class _Handoff:
@@ -336,9 +396,6 @@ def _settle(gen: Generator[Instruction, Any, FencedCall], got: tuple[bool, Any])
         gen.close()
 
 
-_SETTLING: set[asyncio.Future[Any]] = set()
-
-
 def _settle_later(
     off_loop: Callable[..., Awaitable[Any]],
     gen: Generator[Instruction, Any, FencedCall],
@@ -347,7 +404,7 @@ def _settle_later(
     """:func:`_settle` off the loop (a release is a store step), from a cancelled task."""
     fut = asyncio.ensure_future(off_loop(_settle, gen, got))
     _SETTLING.add(fut)
-    fut.add_done_callback(_SETTLING.discard)
+    fut.add_done_callback(_forget)
 
 
 async def _wait_in_thread(fence: EffectFence, intent: str, timeout: float) -> None:

@@ -217,6 +217,34 @@ def test_async_functions_are_fenced(fence: EffectFence) -> None:
     assert fence.intent_status("b").state == "failed"
 
 
+def test_async_callable_objects_are_awaited_and_generators_refused(fence: EffectFence) -> None:
+    """An object with an ``async def __call__`` was taken for a plain function: its call
+    returned an un-run coroutine, the fence could not record it, and the intent was fenced
+    as failed for an effect that never ran. A generator function's body would run only
+    after the fence recorded the call: refused when decorated."""
+    sink = Sink()
+
+    class Charger:
+        async def __call__(self, n: int) -> int:
+            sink.hit(n)
+            return n * 2
+
+    charge = fenced(fence, intent="obj:{n}", domain="d")(Charger())
+    assert asyncio.run(charge(3)) == 6 and asyncio.run(charge(3)) == 6
+    assert sink.calls == [3]
+    assert fence.intent_status("obj:3").state == "done"
+
+    def rows(n: int) -> Any:
+        yield n
+
+    async def arows(n: int) -> Any:
+        yield n
+
+    for gen in (rows, arows):
+        with pytest.raises(TypeError, match="generator function"):
+            fenced(fence, intent="g:{n}", domain="d")(gen)
+
+
 def test_argument_binding_matches_python(fence: EffectFence) -> None:
     @fenced(fence, intent="b:{a}:{b}:{c}", domain="d")
     def f(a: int, b: int = 2, *, c: int = 3) -> list[int]:

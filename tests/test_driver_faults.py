@@ -62,6 +62,10 @@ class Flaky(MemoryStore):
         self._maybe_fail("complete")
         return super().complete(*args, **kw)
 
+    def fail(self, *args: Any, **kw: Any) -> Any:  # the step behind fence.abort
+        self._maybe_fail("fail")
+        return super().fail(*args, **kw)
+
     def claim(self, *args: Any, **kw: Any) -> Any:
         self.claim_entered.set()
         if self.claim_gate is not None:
@@ -172,3 +176,67 @@ def test_a_commit_refused_unavailable_says_to_commit_again_not_to_run_again() ->
     assert caught.value.retryable is True
     assert "commit again" in caught.value.recover and "do NOT run" in caught.value.recover
     assert fence.commit(adm.ticket, "charged").result == "charged"  # and so it is safe
+
+
+async def test_a_caller_cancelled_while_its_commit_is_retried_still_gets_it_recorded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The effect ran; the commit met a blip and waits to try again; the caller gives up
+    (a timeout). The commit must still be carried through: left half-tried, the intent
+    stayed in flight and an identical call ran the effect again once the lease lapsed."""
+    monkeypatch.setattr("effectfence.driver.COMMIT_RETRY_PAUSES", (0.2, 0.2))
+    store = Flaky(complete=1)
+    fence = EffectFence(store=store)
+    runs: list[int] = []
+
+    async def effect(ticket: Any) -> str:
+        runs.append(1)
+        return "charged"
+
+    task = asyncio.ensure_future(run_async(fence, req(), Options(), effect))
+    async with asyncio.timeout(BOUND):
+        while store.calls.get("complete", 0) < 1:  # the first commit failed: now pausing
+            await asyncio.sleep(0.005)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    async with asyncio.timeout(BOUND):
+        while fence.intent_status("charge:1").state != "done":
+            await asyncio.sleep(0.01)
+    again = fence.prepare(req())
+    assert again.fresh is False and again.cert.result == "charged" and runs == [1]
+
+
+def test_an_abort_the_store_refuses_leaves_the_callers_own_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The effect failed (it may have fired) and the store would not take the abort: the
+    caller used to get the store's "retry later; nothing was decided" instead of its own
+    error, an invitation to run the effect again."""
+    monkeypatch.setattr("effectfence.driver.COMMIT_RETRY_PAUSES", (0.0, 0.0))
+    store = Flaky(fail=100)
+    fence = EffectFence(store=store)
+
+    def effect(ticket: Any) -> str:
+        raise TimeoutError("the gateway did not answer")
+
+    with pytest.raises(TimeoutError) as caught:
+        run_sync(fence, req(), Options(), effect)
+    assert store.calls["fail"] == 3  # tried again before giving up
+    notes = " ".join(getattr(caught.value, "__notes__", []))
+    assert "could not be fenced as failed" in notes and "stays in flight" in notes
+
+
+def test_an_abort_through_a_short_outage_fences_the_intent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("effectfence.driver.COMMIT_RETRY_PAUSES", (0.0, 0.0))
+    store = Flaky(fail=1)
+    fence = EffectFence(store=store)
+
+    def effect(ticket: Any) -> str:
+        raise TimeoutError("the gateway did not answer")
+
+    with pytest.raises(TimeoutError):
+        run_sync(fence, req(), Options(), effect)
+    assert fence.intent_status("charge:1").state == "failed"
