@@ -25,6 +25,7 @@ import pytest
 from support import (
     PG_DSN,
     REDIS_URL,
+    REQUIRE_SERVICES,
     drop_pg_schema,
     drop_redis_prefix,
     need,
@@ -665,6 +666,256 @@ def test_redis_reports_its_persistence(rs: Any) -> None:
     safe = d["appendonly"] == "yes" and d["appendfsync"] == "always"
     assert d["acknowledged_writes_survive_a_crash"] is safe
     assert rs.describe()["durability"] == d
+
+
+# -- Redis settings the shared server must never be put through: a private redis-server -------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[Callable[..., str]]:
+    """``start(*args)``: a redis-server of the test's own on a free port (its URL), stopped
+    at teardown: eviction policies, demotion to a replica and OOM are for it, never for the
+    shared server. Skips without redis-server (fails with EFFECTFENCE_REQUIRE_SERVICES=1)."""
+    import shutil
+
+    binary = shutil.which("redis-server")
+    try:
+        import redis
+    except ImportError:
+        binary = None
+    if binary is None:
+        msg = "redis-server (or redis-py) is not installed here"
+        if REQUIRE_SERVICES:
+            pytest.fail(
+                msg + "; EFFECTFENCE_REQUIRE_SERVICES=1 makes this a failure", pytrace=False
+            )
+        pytest.skip(msg)
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(*args: str) -> str:
+        port = _free_port()
+        proc = subprocess.Popen(
+            [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path),
+             "--save", "", "--appendonly", "no", *args],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )  # fmt: skip
+        procs.append(proc)
+        client = redis.Redis(port=port, socket_connect_timeout=1)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    err = proc.stderr.read() if proc.poll() is not None and proc.stderr else b""
+                    raise AssertionError(
+                        f"redis-server on port {port} did not start: {err.decode()!r}"
+                    ) from None
+                time.sleep(0.02)
+        client.close()
+        return f"redis://127.0.0.1:{port}/0"
+
+    yield start
+    for proc in procs:
+        proc.terminate()
+        proc.wait(10)
+        assert proc.stderr is not None
+        proc.stderr.close()
+
+
+def _admin(url: str) -> Any:
+    import redis
+
+    return redis.Redis.from_url(url)
+
+
+@pytest.mark.parametrize("policy", ["volatile-lru", "allkeys-lru"])
+def test_redis_refuses_to_open_where_eviction_is_possible(
+    private_redis: Callable[..., str], policy: str
+) -> None:
+    """Records carry TTLs (volatile-* may evict one in flight: a second execution), and
+    allkeys-* may evict the token counter: the store refuses to open, typed, naming the
+    setting and the fix, and writes nothing."""
+    from effectfence.store.redis import RedisStore
+
+    url = private_redis("--maxmemory", "100mb", "--maxmemory-policy", policy)
+    with pytest.raises(StoreUnavailable) as refused:
+        RedisStore.from_url(url)
+    exc = refused.value
+    assert "maxmemory-policy noeviction" in exc.message and policy in exc.message
+    assert exc.details["setting"] == "maxmemory-policy"
+    assert exc.details["maxmemory_policy"] == policy and exc.details["maxmemory"] > 0
+    assert exc.retryable is False and "noeviction" in exc.recover
+    admin = _admin(url)
+    assert admin.dbsize() == 0
+    admin.close()
+
+
+def test_redis_allow_eviction_opens_and_says_so_loudly(private_redis: Callable[..., str]) -> None:
+    from effectfence.store.redis import RedisStore
+
+    url = private_redis("--maxmemory", "100mb", "--maxmemory-policy", "volatile-lru")
+    opens: list[Callable[[], Any]] = [
+        lambda: RedisStore.from_url(with_query(url, allow_eviction="true")),
+        lambda: open_store(url, allow_eviction=True),
+    ]
+    for i, open_ in enumerate(opens):
+        store = open_()
+        d = store.durability()
+        assert d["eviction"] == "possible" and d["eviction_allowed"] is True
+        assert d["maxmemory"] == 100 * 1024 * 1024 and d["maxmemory_policy"] == "volatile-lru"
+        assert d["verdict"].startswith("EVICTION POSSIBLE (opened with allow_eviction)")
+        described = store.describe()
+        assert described["warning"] == d["verdict"] and described["durability"] == d
+        fence = EffectFence(store=store)
+        fence.commit(fence.prepare(req(f"charge:{i}")).ticket, "r")
+        store.close()
+
+
+def test_redis_opens_with_noeviction_and_reports_the_memory_settings(
+    private_redis: Callable[..., str],
+) -> None:
+    from effectfence.store.redis import RedisStore
+
+    url = private_redis("--maxmemory", "100mb", "--maxmemory-policy", "noeviction")
+    store = RedisStore.from_url(url)
+    d = store.durability()
+    assert d["maxmemory"] == 100 * 1024 * 1024 and d["maxmemory_policy"] == "noeviction"
+    assert d["eviction"] == "off" and d["memory_source"] == "CONFIG GET"
+    assert "EVICTION" not in d["verdict"] and "warning" not in store.describe()
+    store.close()
+
+
+def test_redis_reads_eviction_settings_from_info_and_fails_closed_when_unreadable(
+    private_redis: Callable[..., str],
+) -> None:
+    """A managed Redis refuses CONFIG: the settings come from INFO memory. Where INFO is
+    refused too, eviction cannot be ruled out: refused, unless allow_eviction."""
+    from effectfence.store.redis import RedisStore
+
+    url = private_redis("--maxmemory", "100mb", "--maxmemory-policy", "volatile-ttl")
+    admin = _admin(url)
+    admin.execute_command("ACL", "SETUSER", "noconfig", "on", ">pw", "~*", "&*", "+@all", "-config")
+    admin.execute_command(
+        "ACL", "SETUSER", "blind", "on", ">pw", "~*", "&*", "+@all", "-config", "-info"
+    )
+    noconfig = url.replace("redis://", "redis://noconfig:pw@")
+    blind = url.replace("redis://", "redis://blind:pw@")
+    with pytest.raises(StoreUnavailable, match="volatile-ttl"):
+        RedisStore.from_url(noconfig)
+    admin.config_set("maxmemory-policy", "noeviction")  # the private server's, not the shared
+    store = RedisStore.from_url(noconfig)
+    d = store.durability()
+    assert d["memory_source"].startswith("INFO memory") and d["eviction"] == "off"
+    assert d["maxmemory_policy"] == "noeviction" and d["maxmemory"] == 100 * 1024 * 1024
+    store.close()
+    with pytest.raises(StoreUnavailable, match="unreadable"):
+        RedisStore.from_url(blind)
+    store = RedisStore.from_url(blind, allow_eviction=True)
+    d = store.durability()
+    assert d["eviction"] == "unknown" and d["maxmemory"] is None
+    assert d["verdict"].startswith("EVICTION UNKNOWN") and "warning" in store.describe()
+    store.close()
+    admin.close()
+
+
+def _read_only(admin: Any) -> Callable[[], None]:
+    """A failover demoted the server: a replica of a master that is not there."""
+    admin.execute_command("REPLICAOF", "127.0.0.1", str(_free_port()))
+    return lambda: admin.execute_command("REPLICAOF", "NO", "ONE")
+
+
+def _out_of_memory(admin: Any) -> Callable[[], None]:
+    admin.config_set("maxmemory", 1)  # noeviction: writes are refused OOM
+    return lambda: admin.config_set("maxmemory", 0)
+
+
+def _no_replicas(admin: Any) -> Callable[[], None]:
+    admin.config_set("min-replicas-to-write", 1)  # no class in redis-py: matched by its code
+    return lambda: admin.config_set("min-replicas-to-write", 0)
+
+
+@pytest.mark.parametrize(
+    "refuse, code, commits",
+    [
+        (_read_only, "READONLY", False),
+        # OOM refuses only a script whose first write may grow memory: a claim's; a commit
+        # begins with an SREM, so Redis lets it run (and then it is whole)
+        (_out_of_memory, "OOM", True),
+        (_no_replicas, "NOREPLICAS", False),
+    ],
+    ids=["readonly", "oom", "noreplicas"],
+)
+def test_redis_server_refusals_are_store_unavailable_and_apply_nothing(
+    private_redis: Callable[..., str],
+    refuse: Callable[[Any], Callable[[], None]],
+    code: str,
+    commits: bool,
+) -> None:
+    """READONLY (after a failover), OOM, NOREPLICAS...: the server refused the script
+    before it wrote anything. prepare and commit answer store_unavailable with the server's
+    reply (the driver's retries and abort act on it), and the records are as they were."""
+    from effectfence.store.redis import RedisStore
+
+    url = private_redis()
+    store = RedisStore.from_url(url)
+    fence = EffectFence(store=store)
+    ticket = fence.prepare(req()).ticket
+    admin = _admin(url)
+    undo = refuse(admin)
+    try:
+        refusals = []
+        if not commits:
+            with pytest.raises(StoreUnavailable) as at_commit:
+                fence.commit(ticket, "r")
+            assert at_commit.value.details["operation"] == "complete"
+            refusals.append(at_commit.value)
+            rec = store.get("charge:1")
+            assert rec is not None and rec.state is State.IN_FLIGHT and rec.token == ticket.token
+        with pytest.raises(StoreUnavailable) as at_prepare:
+            fence.prepare(req("charge:2"))
+        refusals.append(at_prepare.value)
+        for exc in refusals:
+            assert exc.details["server_reply"].startswith(code + " ")
+            assert exc.details["server_reply"] in exc.message and exc.retryable
+        assert store.get("charge:2") is None
+        if code == "READONLY":  # and a store opened on the demoted server: typed, not raw
+            with pytest.raises(StoreUnavailable, match="READONLY"):
+                RedisStore.from_url(with_query(url, prefix="other"))
+    finally:
+        undo()
+    cert = fence.commit(ticket, "r")  # nothing was applied: the same commit goes through
+    assert fence.prepare(req(agent="b")).cert.hash == cert.hash
+    store.close()
+    admin.close()
+
+
+def test_redis_a_script_error_is_not_reported_as_nothing_applied(
+    private_redis: Callable[..., str],
+) -> None:
+    """Only the server's refusals are store_unavailable: a script that failed while running
+    (a bug) is raised as redis-py's error, never labelled "nothing was applied"."""
+    import redis
+
+    from effectfence.store.redis import _PRELUDE, RedisStore, _Script
+
+    store = RedisStore.from_url(private_redis())
+    broken = _Script(store._r, _PRELUDE + "return nil + 1", store._conns)
+    with pytest.raises(redis.exceptions.ResponseError) as raised:
+        store._call("probe", broken, (), ("",))
+    assert not isinstance(raised.value, StoreUnavailable)
+    store.close()
 
 
 def test_pg_describe_reports_synchronous_commit(pg: Any) -> None:

@@ -35,14 +35,24 @@ replica can lose acknowledged writes whatever the settings. The store reads the 
 persistence settings at connect and reports them (:meth:`RedisStore.durability`); see
 docs/stores-redis.md.
 
-Errors: no connection, or an error the server answered, raises
-:class:`~effectfence.errors.StoreUnavailable`. A connection lost while a script ran may have
-lost only the reply: ticket steps re-read and answer from what the store holds, a claim
-answers unavailable (a lease it may have taken lapses like a crashed holder's). redis-py's
-own retries are off: a script is never sent twice behind the store's back (the one resend is
-after NOSCRIPT, an answer that says it did not run). A store built from a URL sends its
-steps on connections of its own (:class:`_Connections`, :class:`_Script`), not through
-``Redis.execute_command``; a client passed in is used as it is.
+Eviction: records carry TTLs, so under a ``volatile-*`` maxmemory-policy Redis may delete a
+record in flight or done before its time (a second caller is admitted: the effect runs
+twice), and under ``allkeys-*`` also the token counter, domain seqs and floor (tokens restart:
+a stale holder's commit passes). The store reads ``maxmemory`` and ``maxmemory-policy`` at
+connect and refuses to open where eviction is possible (or cannot be ruled out) unless told
+``allow_eviction``, and then says so in :meth:`RedisStore.durability` and ``describe()``.
+
+Errors: no connection, or a server that refused a command before running it (READONLY
+after a failover, OOM, LOADING, BUSY, MISCONF, NOREPLICAS, CLUSTERDOWN, TRYAGAIN,
+MASTERDOWN: nothing applied), raises :class:`~effectfence.errors.StoreUnavailable` with the
+server's reply; any other error reply (a script error: a bug) is raised as redis-py's. A
+connection lost while a script ran may have lost only the reply: ticket steps re-read and
+answer from what the store holds, a claim answers unavailable (a lease it may have taken
+lapses like a crashed holder's). redis-py's own retries are off: a script is never sent
+twice behind the store's back (the one resend is after NOSCRIPT, an answer that says it did
+not run). A store built from a URL sends its steps on connections of its own
+(:class:`_Connections`, :class:`_Script`), not through ``Redis.execute_command``; a client
+passed in is used as it is.
 """
 
 from __future__ import annotations
@@ -97,6 +107,25 @@ _PREFIX_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _STATES = {s.value: s for s in State}
 _FIELDS = RECORD_FIELDS[1:]  # the hash fields of a record (the intent is in the key)
 _LOST = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+# Replies by which the server refuses a command before running it. Inside a script the same
+# checks run at its first write (the server refuses it only while the script has written
+# nothing, and the conditions cannot change while a script runs), and an unhandled error
+# ends the script: so these mean nothing was applied. redis-py's class where it has one (its
+# message drops the code), else the reply's first word.
+_REFUSED_CLASSES: tuple[tuple[type[Exception], str], ...] = (
+    (redis.exceptions.BusyLoadingError, "LOADING"),
+    (redis.exceptions.ReadOnlyError, "READONLY"),
+    (redis.exceptions.OutOfMemoryError, "OOM"),
+    (redis.exceptions.MasterDownError, "MASTERDOWN"),
+    (redis.exceptions.ClusterDownError, "CLUSTERDOWN"),
+    (redis.exceptions.TryAgainError, "TRYAGAIN"),
+)
+_REFUSED_CODES = frozenset(
+    ("LOADING", "READONLY", "OOM", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "MISCONF",
+     "NOREPLICAS", "BUSY")
+)  # fmt: skip
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
 _pack: Callable[[tuple[Any, ...]], bytes] = hiredis.pack_command
 
 # Shared by every script. ARGV[1] is the key prefix ("{p}"), ARGV[2] a test clock's reading
@@ -500,6 +529,27 @@ def _redact(url: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
+def _refused(exc: BaseException) -> str | None:
+    """The server's reply if it refused the command before running it (nothing applied),
+    else None: a lost connection, or an error no one can say applied nothing."""
+    for cls, code in _REFUSED_CLASSES:
+        if isinstance(exc, cls):
+            return f"{code} {exc}"
+    if isinstance(exc, redis.exceptions.ResponseError):
+        said = str(exc)
+        if said.split(" ", 1)[0] in _REFUSED_CODES:
+            return said
+    return None
+
+
+def _flag(name: str, v: str) -> bool:
+    if v.lower() in _TRUE:
+        return True
+    if v.lower() in _FALSE:
+        return False
+    raise ValueError(f"{name} must be true or false, got {v!r}")
+
+
 def _deadline(v: Any) -> float:
     t = float(v)
     return math.inf if t >= NEVER else t
@@ -521,7 +571,10 @@ class RedisStore(FenceStore):
     ``url``: a redis-py URL; or ``client``: a :class:`redis.Redis` of your own (its retries
     should be off). ``prefix``: the hash tag every key lives under. ``certs_per_domain``:
     how many certificates the audit trail keeps per domain (None: all). ``clock``: for tests
-    only, replaces the server's ``TIME`` in every script.
+    only, replaces the server's ``TIME`` in every script. ``allow_eviction``: open even where
+    the server may evict keys (maxmemory with a policy other than noeviction, or settings that
+    cannot be read); refused otherwise, since an evicted record or counter lets an effect run
+    twice. Reported in :meth:`durability` and ``describe()``.
     """
 
     name = "redis"
@@ -541,6 +594,7 @@ class RedisStore(FenceStore):
         certs_per_domain: int | None = None,
         clock: Callable[[], float] | None = None,
         max_connections: int = 64,
+        allow_eviction: bool = False,
     ) -> None:
         if (url is None) == (client is None):
             raise ValueError("give a Redis store either url or client, not both")
@@ -554,6 +608,7 @@ class RedisStore(FenceStore):
         self.timeout = float(timeout)
         self.certs_per_domain = certs_per_domain
         self._closed = False
+        self.allow_eviction = bool(allow_eviction)
         self._own_client = client is None
         self._url = url or "redis://(client)"
         if client is None:
@@ -586,12 +641,23 @@ class RedisStore(FenceStore):
         self._listener: threading.Thread | None = None
         self._listener_lock = threading.Lock()
         try:
-            self.store_id = self._init()
+            # settings first: a server the store refuses gets nothing written
             self._durability = self._read_persistence()
-        except _LOST as exc:
+            self._durability.update(self._read_eviction())
+            self._refuse_eviction()
+            self.store_id = self._init()
+        except StoreUnavailable:  # a ConnectionError, so an OSError: before _LOST
             self.close()
+            raise
+        except (*_LOST, redis.exceptions.ResponseError) as exc:
+            self.close()
+            said = _refused(exc)
+            if said is None and not isinstance(exc, _LOST):
+                raise
             raise StoreUnavailable(
-                f"can't reach Redis at {_redact(self._url)}: {exc}", operation="open"
+                f"can't open the Redis store at {_redact(self._url)}: {said or exc}",
+                operation="open",
+                server_reply=said,
             ) from exc
         except BaseException:
             self.close()
@@ -600,8 +666,8 @@ class RedisStore(FenceStore):
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RedisStore:
-        """``redis://host:6379/0?prefix=fence&certs_per_domain=1000``; keywords win over the
-        query; other query parameters go to redis-py."""
+        """``redis://host:6379/0?prefix=fence&certs_per_domain=1000&allow_eviction=false``;
+        keywords win over the query; other query parameters go to redis-py."""
         parts = urlsplit(url)
         ours: dict[str, Any] = {}
         theirs: list[tuple[str, str]] = []
@@ -609,6 +675,8 @@ class RedisStore(FenceStore):
             try:
                 if k == "prefix":
                     ours[k] = v
+                elif k == "allow_eviction":
+                    ours[k] = _flag(k, v)
                 elif k in ("certs_per_domain", "max_connections"):
                     ours[k] = int(v)
                 elif k == "timeout":
@@ -616,7 +684,8 @@ class RedisStore(FenceStore):
                 else:
                     theirs.append((k, v))
             except ValueError:
-                raise ValueError(f"{k} in {_redact(url)} must be a number") from None
+                what = "true or false" if k == "allow_eviction" else "a number"
+                raise ValueError(f"{k} in {_redact(url)} must be {what}") from None
         ours.update(options)
         if "client" in ours:
             return cls(**ours)
@@ -651,13 +720,22 @@ class RedisStore(FenceStore):
                 if isinstance(out[name], bytes):
                     out[name] = out[name].decode()
             out["source"] = "CONFIG GET"
-        except redis.exceptions.ResponseError:
-            info = self._r.info("persistence")
+        except redis.exceptions.ResponseError as exc:
+            if _refused(exc) is not None:
+                raise
+            try:
+                info = self._r.info("persistence")
+                appendonly: str | None = "yes" if info.get("aof_enabled") else "no"
+                source = "INFO persistence (CONFIG is disabled)"
+            except redis.exceptions.ResponseError as again:
+                if _refused(again) is not None:
+                    raise
+                appendonly, source = None, "unreadable (CONFIG GET and INFO refused)"
             out = {
-                "appendonly": "yes" if info.get("aof_enabled") else "no",
+                "appendonly": appendonly,
                 "appendfsync": None,  # not in INFO: unknown
                 "save": None,
-                "source": "INFO persistence (CONFIG is disabled)",
+                "source": source,
             }
         with contextlib.suppress(redis.exceptions.ResponseError):
             out["role"] = self._r.info("replication").get("role")
@@ -678,12 +756,86 @@ class RedisStore(FenceStore):
             )
         return out
 
+    def _read_eviction(self) -> dict[str, Any]:
+        """maxmemory and maxmemory-policy: CONFIG GET, else INFO memory (managed services
+        disable CONFIG), else unknown. Eviction is possible when maxmemory > 0 and the policy
+        is not noeviction (maxmemory 0: no limit, nothing is evicted)."""
+        maxmemory: int | None = None
+        policy: str | None = None
+        source = "CONFIG GET"
+        try:
+            got = {**self._r.config_get("maxmemory"), **self._r.config_get("maxmemory-policy")}
+            maxmemory = int(_text(got["maxmemory"]))
+            policy = _text(got["maxmemory-policy"])
+        except (redis.exceptions.ResponseError, KeyError, ValueError) as exc:
+            if _refused(exc) is not None:
+                raise
+            try:
+                info = self._r.info("memory")
+                maxmemory = int(info["maxmemory"])
+                policy = _text(info["maxmemory_policy"])
+                source = "INFO memory (CONFIG is disabled)"
+            except (redis.exceptions.ResponseError, KeyError, ValueError) as again:
+                if _refused(again) is not None:
+                    raise
+                maxmemory, policy = None, None
+                source = "unreadable (CONFIG GET and INFO memory refused)"
+        if maxmemory is None or policy is None:
+            eviction = "unknown"
+        elif maxmemory == 0 or policy == "noeviction":
+            eviction = "off"
+        else:
+            eviction = "possible"
+        return {
+            "maxmemory": maxmemory,
+            "maxmemory_policy": policy,
+            "memory_source": source,
+            "eviction": eviction,
+            "eviction_allowed": self.allow_eviction,
+        }
+
+    def _refuse_eviction(self) -> None:
+        """Fail closed where Redis may evict the fence's keys: an evicted record admits a
+        second caller, an evicted token counter restarts tokens under a stale holder. With
+        allow_eviction the store opens, and the verdict says so first."""
+        d = self._durability
+        if d["eviction"] == "off":
+            return
+        if d["eviction"] == "possible":
+            why = (
+                f"maxmemory {d['maxmemory']} with maxmemory-policy {d['maxmemory_policy']}: "
+                "Redis may evict"
+            )
+        else:
+            why = f"maxmemory and maxmemory-policy are {d['memory_source']}: Redis may evict"
+        why += (
+            " the fence's records and counters, and an evicted record or token counter lets an "
+            "effect run twice"
+        )
+        if self.allow_eviction:
+            d["verdict"] = (
+                f"EVICTION {d['eviction'].upper()} (opened with allow_eviction): {why}; not "
+                f"safe for effects that move money. {d['verdict']}"
+            )
+            return
+        raise StoreUnavailable(
+            f"refusing to open the Redis store at {_redact(self._url)}: {why}. Set "
+            "maxmemory-policy noeviction (or maxmemory 0) on the server, or give "
+            "allow_eviction=true to accept that risk",
+            operation="open",
+            retryable=False,
+            recover="set maxmemory-policy noeviction (or maxmemory 0) on the Redis server",
+            setting="maxmemory-policy",
+            maxmemory=d["maxmemory"],
+            maxmemory_policy=d["maxmemory_policy"],
+        )
+
     def durability(self) -> dict[str, Any]:
-        """The persistence settings read at connect, and what they mean for the fence."""
+        """The persistence and eviction settings read at connect, and what they mean."""
         return dict(self._durability)
 
     def describe(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "store": self.name,
             "url": _redact(self._url),
             "prefix": self.prefix,
@@ -692,28 +844,45 @@ class RedisStore(FenceStore):
             "certs_per_domain": self.certs_per_domain,
             "durability": self.durability(),
         }
+        if self._durability["eviction"] != "off":  # opened only with allow_eviction: say so
+            out["warning"] = self._durability["verdict"]
+        return out
 
     # -- calls --------------------------------------------------------------------------------
     def _t(self) -> str:
         return "" if self._clock is None else _num(self._clock())
 
-    def _unavailable(self, op: str, exc: BaseException) -> StoreUnavailable:
+    def _unavailable(self, op: str, exc: BaseException | str) -> StoreUnavailable:
         return StoreUnavailable(
             f"the Redis store {self.prefix!r} failed during {op}: {exc}; nothing was decided",
             operation=op,
         )
 
+    def _refusal(self, op: str, said: str) -> StoreUnavailable:
+        """The server refused the command before running it: nothing applied, so the
+        driver's retries (and, after a commit, its abort) can act on it."""
+        return StoreUnavailable(
+            f"the Redis store {self.prefix!r} refused {op}: the server answered {said!r}; "
+            "nothing was applied",
+            operation=op,
+            server_reply=said,
+        )
+
     def _call(self, op: str, script: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
         """One script. StoreUnavailable when closed or the server refused it before running;
-        :class:`_Lost` when the connection broke (it may have run)."""
+        :class:`_Lost` when the connection broke (it may have run); any other error reply
+        (a script error) as redis-py raised it."""
         if self._closed:
             raise StoreUnavailable(f"the Redis store {self.prefix!r} is closed", operation=op)
         try:
             return script(keys=keys, args=[self._p, *args])
-        except _LOST as exc:
-            raise _Lost(str(exc)) from exc
-        except redis.exceptions.BusyLoadingError as exc:
-            raise self._unavailable(op, exc) from exc
+        except (*_LOST, redis.exceptions.ResponseError) as exc:
+            said = _refused(exc)  # before _LOST: LOADING is a ConnectionError, yet ran nothing
+            if said is not None:
+                raise self._refusal(op, said) from exc
+            if isinstance(exc, _LOST):
+                raise _Lost(str(exc)) from exc
+            raise
 
     def _read(self, op: str, script: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
         """A read changes nothing: a broken connection is retried once on another."""
@@ -732,7 +901,12 @@ class RedisStore(FenceStore):
         for attempt in (0, 1):
             try:
                 return fn()
-            except _LOST as exc:
+            except (*_LOST, redis.exceptions.ResponseError) as exc:
+                said = _refused(exc)
+                if said is not None:
+                    raise self._refusal(op, said) from exc
+                if not isinstance(exc, _LOST):
+                    raise
                 if attempt:
                     raise self._unavailable(op, exc) from exc
         raise AssertionError("unreachable")
