@@ -822,11 +822,53 @@ def sort_keys_bytes(flat: dict[str, int]) -> bytes:
     return canonical_bytes(flat)
 
 
-def json_loads(data: bytes) -> Any:
-    """Parse JSON this module produced (a cheap deep copy of a canonical value)."""
-    if _orjson is not None:
-        return _orjson.loads(data)
-    return json.loads(data)
+# The shortest integer outside the safe range has 16 digits: text without such a run holds
+# none, and is returned as parsed (the common case costs one regex scan, in C).
+_long_digits_b: Final = re.compile(rb"[0-9]{16}").search
+_long_digits_s: Final = re.compile(r"[0-9]{16}").search
+
+
+def json_loads(data: bytes | str) -> Any:
+    """Parse canonical JSON back into the value that was encoded (a cheap deep copy).
+
+    RFC 8785 writes an integral double the way ES6 does, without a fraction: 1.7e18 is
+    ``1700000000000000000``. A parser reads that as an int, which the encoder refuses
+    outside ±(2**53-1), so a decoded certificate would no longer re-encode (verify False,
+    a durable store unable to write it). Such an int in canonical text can only have come
+    from a float, so it is decoded as the float: exactly the one that was encoded (the
+    canonical text of a double is its shortest round-trip digits, and int -> float rounds
+    correctly). Deep nesting is a ``ValueError`` like any other malformed JSON.
+    """
+    try:
+        value = _orjson.loads(data) if _orjson is not None else json.loads(data)
+    except RecursionError:
+        raise ValueError("JSON is nested deeper than the interpreter's stack allows") from None
+    long = _long_digits_s(data) if isinstance(data, str) else _long_digits_b(data)
+    if long is not None:
+        value = _floats_back(value)
+    return value
+
+
+def _floats_back(value: Any) -> Any:
+    """``value`` (freshly decoded, ours to change) with every int outside the safe range
+    replaced by its float. Iterative: decoded JSON may be nested past the stack."""
+    t = type(value)
+    if t is int:
+        return value if _MIN_SAFE <= value <= MAX_SAFE_INTEGER else float(value)
+    if t is not dict and t is not list:
+        return value
+    stack: list[Any] = [value]
+    while stack:
+        node = stack.pop()
+        pairs = node.items() if type(node) is dict else enumerate(node)
+        for k, v in pairs:  # assigning an existing key or index: the size never changes
+            tv = type(v)
+            if tv is int:
+                if not _MIN_SAFE <= v <= MAX_SAFE_INTEGER:
+                    node[k] = float(v)
+            elif tv is dict or tv is list:
+                stack.append(v)
+    return value
 
 
 def string_bytes(text: str) -> bytes:

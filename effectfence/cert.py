@@ -35,6 +35,8 @@ from effectfence.errors import InvalidRequest
 
 __all__ = [
     "CERT_FORMAT",
+    "CERT_MAX_DEPTH",
+    "MAX_PAYLOAD_DEPTH",
     "ChainReport",
     "EffectCert",
     "spliced_hash",
@@ -43,6 +45,13 @@ __all__ = [
 ]
 
 CERT_FORMAT = "effectfence.cert/1"
+
+#: the deepest args or result a certificate holds (``FenceConfig.max_depth`` is bounded by
+#: it): whatever the fence admitted, every later re-encoding of its certificate must accept
+MAX_PAYLOAD_DEPTH: Final = 512
+#: the nesting every re-encoding of a certificate allows (hash, JSON form, durable stores):
+#: its args and result sit one level below the body
+CERT_MAX_DEPTH: Final = MAX_PAYLOAD_DEPTH + 1
 
 _FIELDS = (
     "intent",
@@ -87,7 +96,7 @@ def cert_body(
 
 
 def _hash_body(body: dict[str, Any]) -> str:
-    return hashlib.sha256(canonical_bytes(body)).hexdigest()
+    return hashlib.sha256(canonical_bytes(body, max_depth=CERT_MAX_DEPTH)).hexdigest()
 
 
 _FORMAT_JSON = CERT_FORMAT_JSON = string_bytes(CERT_FORMAT)
@@ -241,8 +250,8 @@ class EffectCert(tuple[Any, ...]):
         if not all(type(d) is str and type(s) is int for d, s in rs):
             raise InvalidRequest("certificate field 'read_set' must be a list of [domain, seq]")
         try:
-            args_json = canonical_bytes(args)
-            result_json = canonical_bytes(result)
+            args_json = canonical_bytes(args, max_depth=MAX_PAYLOAD_DEPTH)
+            result_json = canonical_bytes(result, max_depth=MAX_PAYLOAD_DEPTH)
             if hash is None:
                 hash = _hash_body(
                     cert_body(intent, parent, domain, seq, tool, args, result, vc, rs, agent)

@@ -22,7 +22,7 @@ from effectfence.canonical import (
     fast_bytes,
     name_bytes,
 )
-from effectfence.cert import EffectCert, spliced_hash
+from effectfence.cert import MAX_PAYLOAD_DEPTH, EffectCert, spliced_hash
 from effectfence.clock import VectorClock, ticket_counts
 from effectfence.counters import new_table
 from effectfence.errors import (
@@ -152,6 +152,7 @@ class FenceConfig:
     lapsed_grace: float | None = None
     max_args_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     max_result_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    #: nesting allowed in args and results: at most MAX_PAYLOAD_DEPTH (what a certificate holds)
     max_depth: int = DEFAULT_MAX_DEPTH
     #: counter table for the memory store: "atomic", "pure" or None (environment / best)
     counters: str | None = None
@@ -175,6 +176,13 @@ class FenceConfig:
             raise ValueError("sweep_interval must be > 0 and sweep_batch >= 1")
         if self.max_args_bytes < 2 or self.max_result_bytes < 2 or self.max_depth < 1:
             raise ValueError("size limits must allow at least an empty JSON object")
+        if self.max_depth > MAX_PAYLOAD_DEPTH:
+            # deeper args or results would be admitted, and run, but their certificate could
+            # not be re-encoded (verified, stored, exported): refuse the configuration instead
+            raise ValueError(
+                f"max_depth must be <= {MAX_PAYLOAD_DEPTH} (the deepest payload a certificate "
+                f"holds), got {self.max_depth!r}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -504,9 +512,12 @@ class EffectFence:
         agent = request.agent
         counters = ticket_counts(head.clock, request.known_clock, agent)
         if seq > MAX_SAFE_INTEGER or counters[agent] > MAX_SAFE_INTEGER:
-            # Unreachable by honest use (2**53 reservations, or commits by one agent), but a
-            # forged known_clock can carry a domain's head to the edge. A certificate could not
-            # record this seq or clock: refuse now, before the effect runs (fail closed).
+            # Backstop, unreachable by construction: it takes 2**53 reservations, or 2**52
+            # commits by one agent, since a request names no counter above
+            # MAX_KNOWN_COUNTER (model.py; so no caller can park another agent's counter at
+            # the edge). Should a head get there anyway (a store written before that bound),
+            # a certificate could not record this seq or clock: refuse before the effect runs
+            # (fail closed). The reserved seq stays used (G5).
             self.store.release(request.intent, rec.token)
             self._count("invalid_request")
             what = (
@@ -661,6 +672,13 @@ class EffectFence:
             # it about the effect, which ran: say which retry is the safe one
             exc.recover = COMMIT_UNAVAILABLE_RECOVER
             raise
+        except CanonicalError as exc:
+            # Backstop: a store that could not encode the certificate (its cert_to_json)
+            # wrote nothing. Typed, so a driver aborts ("result not recordable") and the
+            # intent stays fenced, never re-run.
+            raise InvalidRequest(
+                f"certificate of {intent!r} could not be recorded: {exc}", intent=intent
+            ) from exc
         outcome = step.outcome
         if outcome is APPLIED:
             self._inc(self._slot_commits)

@@ -10,12 +10,12 @@ from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 from effectfence import _accel
-from effectfence.canonical import MAX_SAFE_INTEGER
 from effectfence.cert import EffectCert
 from effectfence.clock import VectorClock
 from effectfence.errors import InvalidRequest
 
 __all__ = [
+    "MAX_KNOWN_COUNTER",
     "MAX_NAME_LENGTH",
     "Admission",
     "EffectRequest",
@@ -29,6 +29,12 @@ MAX_NAME_LENGTH = 512
 #: bounds on what a request may carry besides its args: these end up in every ticket
 MAX_READ_SET = 256
 MAX_CLOCK_AGENTS = 256
+#: the largest counter a ``known_clock`` may name, for any agent (2**52). A domain's head
+#: clock is the merge of its tickets' clocks, so a caller could otherwise park another
+#: agent's counter at the JSON-safe edge (2**53-1) and every later attempt of that agent on
+#: the domain would be refused after reserving a seq (G7). Under this bound an agent's own
+#: counter only ever grows past 2**52 by its own commits, 2**52 of them before the edge.
+MAX_KNOWN_COUNTER = 2**52
 _SEQ_MAX = 2**53 - 2  # seqs go into certificates: keep seq+1 JSON-safe (RFC 8785)
 
 
@@ -173,15 +179,17 @@ class EffectRequest:
         if self.known_clock:
             if len(self.known_clock) > MAX_CLOCK_AGENTS:
                 raise InvalidRequest(f"known_clock names more than {MAX_CLOCK_AGENTS} agents")
-            for a in self.known_clock:
+            for a, count in self.known_clock.items():
                 if len(a) > MAX_NAME_LENGTH:
                     raise InvalidRequest(
                         f"a known_clock agent is longer than {MAX_NAME_LENGTH} characters"
                     )
                 _utf8("known_clock agent", a)
-            # the ticket's clock ticks this agent once more: that must stay JSON-safe too
-            if self.known_clock.get(agent, 0) >= MAX_SAFE_INTEGER:
-                raise InvalidRequest(f"known_clock[{agent!r}] is at the JSON-safe maximum")
+                if count > MAX_KNOWN_COUNTER:
+                    raise InvalidRequest(
+                        f"known_clock[{a!r}] is {count}, over the largest counter a request "
+                        f"may name ({MAX_KNOWN_COUNTER} = 2**52)"
+                    )
         self.expected_seq = None if expected_seq is None else _seq("expected_seq", expected_seq)
 
     def __repr__(self) -> str:

@@ -534,3 +534,54 @@ def test_fast_bytes_answers_only_for_the_common_shape(monkeypatch: pytest.Monkey
     assert canonical.fast_bytes({"a": 1.0}, 8) is None  # integral float: exact path
     assert canonical.fast_bytes({"a": "\ud800"}, 8) is None  # lone surrogate: exact path names it
     assert canonical.fast_bytes([[[1]]], 2) is None  # too deep: exact path names it
+
+
+# ------------------------------------------------- decoding gives back what was encoded
+
+#: integral doubles past 2**53 (RFC 8785 writes them without a fraction, e.g. 1.7e18 as
+#: 1700000000000000000) and every other float the encoder accepts
+_any_float = st.floats(allow_nan=False, allow_infinity=False)
+_integral_past_2_53 = st.integers(2**53, 2**72).map(float) | st.integers(-(2**72), -(2**53)).map(
+    float
+)
+_encodable_float = _any_float | _integral_past_2_53
+
+
+@settings(max_examples=500, deadline=None)
+@given(x=_encodable_float)
+def test_every_encodable_float_survives_encode_decode_encode(x: float) -> None:
+    """Review 2, bug 1: canonical text of 1.7e18 decoded to an int the encoder refuses, so
+    a certificate holding it failed to verify, and durable stores could not write it."""
+    for value in (x, [x], {"ts_ns": x, "nested": [{"v": x}]}):
+        data = canonical_bytes(value)
+        back = canonical.json_loads(data)
+        assert back == value
+        assert canonical_bytes(back) == data
+        assert canonical.json_loads(data.decode()) == value  # text in, the same value out
+
+
+@pytest.mark.parametrize("x", [2.0**53, 1e17, 1.7e18, -1.7e18, 2.0**64, 1e20, 9.99e20])
+def test_integral_floats_past_2_53_decode_as_floats(x: float) -> None:
+    data = canonical_bytes({"ts_ns": x})
+    assert b"e" not in data and b"." not in data  # the form that reads as an int
+    back = canonical.json_loads(data)
+    assert type(back["ts_ns"]) is float and back["ts_ns"] == x
+    # safe integers stay ints, strings of digits stay strings
+    same = canonical.json_loads(b'{"a":9007199254740991,"b":"17000000000000000000"}')
+    assert same == {"a": 9007199254740991, "b": "17000000000000000000"}
+    assert type(same["a"]) is int
+
+
+def test_json_loads_turns_deep_nesting_into_a_value_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without orjson the stdlib parser raises RecursionError; callers expect ValueError."""
+    deep = b"[" * 100_000 + b"]" * 100_000
+    with pytest.raises(ValueError):
+        canonical.json_loads(deep)
+    monkeypatch.setattr(canonical, "_orjson", None)
+    with pytest.raises(ValueError):
+        canonical.json_loads(deep)
+    nested = b"[" * 900 + b"1700000000000000000" + b"]" * 900  # the float walk never recurses
+    value = canonical.json_loads(nested)
+    for _ in range(900):
+        value = value[0]
+    assert value == 1.7e18 and type(value) is float

@@ -173,3 +173,27 @@ def test_certificate_keeps_private_copies() -> None:
     assert replay.cert.verify() and replay.cert.hash == cert.hash  # ...the record does not
     assert replay.cert.args == {"cents": 500, "items": [1, 2]}
     assert replay.cert.result == {"id": "ch_1"}
+
+
+@pytest.mark.parametrize("x", [2.0**53, 1e17, 1.7e18, -1.7e18, 2.0**64, 1e20])
+def test_a_certificate_holding_an_integral_float_past_2_53_verifies_everywhere(x: float) -> None:
+    """Review 2, bug 1: the canonical text of 1.7e18 is ``1700000000000000000``; read back
+    as an int, the certificate failed verify() (G3) and could not be stored or exported."""
+    from effectfence.store.codec import cert_from_json, cert_to_json
+
+    cert = EffectCert(
+        intent="i",
+        parent=None,
+        domain="d",
+        seq=1,
+        tool="t",
+        args={"amount": x},
+        result={"ts_ns": x},
+        vector_clock={"a": 1},
+        read_set=[],
+        agent="a",
+    )
+    assert cert.verify() and cert.result == {"ts_ns": x} and cert.args == {"amount": x}
+    stored = cert_from_json(cert_to_json(cert))
+    assert stored == cert and stored.verify() and stored.hash == cert.hash
+    assert EffectCert.from_dict(cert.to_dict()).verify()

@@ -213,6 +213,17 @@ def test_a_look_only_console_refuses_to_clear(fence: EffectFence) -> None:
     assert fence.intent_status("charge:1").state == "failed" and fence.audit() == []
 
 
+@pytest.mark.parametrize("body", [b"[" * 60_000, b'{"intent": ' + b"[" * 60_000, b"{"])
+def test_a_malformed_clear_body_is_a_400_not_an_exception(fence: EffectFence, body: bytes) -> None:
+    """Review 2, bug 3: a deeply nested body raised RecursionError out of the handler."""
+    fence.abort(fence.prepare(req(1)).ticket, "x")  # type: ignore[union-attr]
+    console = Console(fence, who="tester")
+    hdr = {"Host": "127.0.0.1:1", CSRF_HEADER: console._open_csrf}
+    status, _, out, _ = console.handle("POST", "/api/clear", hdr, body)
+    assert status == 400 and json.loads(out)["code"] == "invalid_request"
+    assert fence.intent_status("charge:1").state == "failed" and fence.audit() == []
+
+
 def test_a_console_below_a_base_path_names_it_everywhere(fence: EffectFence) -> None:
     from effectfence.mcp.http import Principals
 

@@ -30,7 +30,11 @@ from effectfence import (
     VectorClock,
     verify_chain,
 )
-from effectfence.model import PreparedEffect
+from effectfence.canonical import CanonicalError
+from effectfence.cert import MAX_PAYLOAD_DEPTH
+from effectfence.decorator import fenced
+from effectfence.fence import FenceConfig
+from effectfence.model import MAX_KNOWN_COUNTER, PreparedEffect
 
 
 def req(
@@ -554,3 +558,117 @@ def test_failed_refusal_says_how_long_ago_not_a_clock_reading(
         fence.prepare(req())
     assert ei.value.details["failed_for"] == pytest.approx(42.0)
     assert "since" not in ei.value.details
+
+
+# -- review 2: integral floats past 2**53, the depth certificates hold, clock poisoning ------------
+
+
+@pytest.mark.parametrize("x", [2.0**53, 1e17, 1.7e18, -1.7e18, 2.0**64, 1e20])
+def test_a_result_holding_an_integral_float_past_2_53_commits_and_replays(
+    fence: EffectFence, x: float
+) -> None:
+    """Bug 1 (G3): RFC 8785 writes 1.7e18 as ``1700000000000000000``; decoded as an int it
+    made a memory certificate fail verify(), and a durable store's commit raise an untyped
+    CanonicalError after the effect ran (the intent stayed in flight: a second run later)."""
+    cert = fence.commit(fresh(fence), {"ts_ns": x})
+    assert cert.verify() and cert.result == {"ts_ns": x}
+    replay = fence.prepare(req())
+    assert isinstance(replay, Replay)
+    assert replay.cert.hash == cert.hash and replay.cert.verify() and replay.cert == cert
+    assert replay.result == {"ts_ns": x} and type(replay.result["ts_ns"]) is float
+
+
+def test_args_holding_an_integral_float_past_2_53_prepare_commit_and_replay(
+    fence: EffectFence,
+) -> None:
+    r = req(args={"amount": 1e17})
+    cert = fence.commit(fresh(fence, r), {"ok": True})
+    assert cert.verify() and cert.args == {"amount": 1e17}
+    replay = fence.prepare(req(args={"amount": 1e17}))
+    assert isinstance(replay, Replay) and replay.cert == cert and replay.cert.verify()
+
+
+def test_a_fenced_effect_returning_a_big_integral_float_runs_once(
+    fence: EffectFence, clock: FakeClock
+) -> None:
+    """The reviewer's double fire: the commit failed, the lease lapsed, the effect ran again."""
+    runs: list[int] = []
+
+    @fenced(fence, intent="charge:{order}", domain="order:{order}")
+    def charge(order: int) -> dict[str, float]:
+        runs.append(order)
+        return {"provider_ts_ns": 1.7e18}
+
+    assert charge(777) == {"provider_ts_ns": 1.7e18}
+    clock.advance(60.0)  # past the lease
+    assert charge(777) == {"provider_ts_ns": 1.7e18}
+    assert runs == [777]
+
+
+def test_max_depth_is_bounded_by_what_a_certificate_holds(make_fence: FenceFactory) -> None:
+    """Bug 1: max_depth had no bound, but certificates re-encoded at depth 64: deeper args
+    were admitted, ran, and their certificate failed verify() or could not be stored."""
+    with pytest.raises(ValueError, match="max_depth"):
+        FenceConfig(max_depth=MAX_PAYLOAD_DEPTH + 1)
+    fence = make_fence(max_depth=MAX_PAYLOAD_DEPTH)
+    deep: Any = 1
+    for _ in range(100):  # deeper than the old re-encoding depth, well within the stack
+        deep = [deep]
+    cert = fence.commit(fresh(fence, req(args={"deep": deep})), {"deep": deep})
+    assert cert.verify() and cert.args == {"deep": deep}
+    replay = fence.prepare(req(args={"deep": deep}))
+    assert isinstance(replay, Replay) and replay.cert == cert and replay.cert.verify()
+
+
+def test_a_certificate_the_store_cannot_encode_is_a_typed_refusal(
+    fence: EffectFence, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bug 1 backstop: a CanonicalError from the store's step (its cert_to_json) escaped
+    commit untyped; as InvalidRequest, a driver aborts ("result not recordable")."""
+    t = fresh(fence)
+
+    def unencodable(*args: Any, **kw: Any) -> Any:
+        raise CanonicalError("$.result", "this store cannot encode it")
+
+    monkeypatch.setattr(fence.store, "complete", unencodable)
+    with pytest.raises(InvalidRequest, match="could not be recorded") as ei:
+        fence.commit(t, {"ok": True})
+    assert ei.value.code == "invalid_request"
+    monkeypatch.undo()
+    assert fence.intent_status(t.intent).state == "in_flight"  # nothing half-written
+    fence.abort(t, "result not recordable")
+    assert fence.intent_status(t.intent).state == "failed"  # fenced, never re-run (G9)
+
+
+def test_a_known_clock_cannot_lock_another_agent_out_of_a_domain(fence: EffectFence) -> None:
+    """Bug 2 (G7): mallory named alice at 2**53-1 in her known_clock; the domain's head then
+    carried it, and every later prepare by alice there reserved a seq and was refused."""
+    domains = ["acct:1"]
+    before = snapshot(fence, ["m:1"], domains)
+    with pytest.raises(InvalidRequest, match="known_clock"):
+        fence.request("m:1", "acct:1", "t", {}, "mallory", known_clock={"alice": 2**53 - 1})
+    assert snapshot(fence, ["m:1"], domains) == before, "a refused prepare changes no state"
+    assert fence.stats()["prepare"]["invalid_request"] == 1
+    # at the bound, mallory's effect is admitted, and alice keeps room for 2**52 commits
+    edge = {"alice": MAX_KNOWN_COUNTER, "bob": MAX_KNOWN_COUNTER}
+    fence.commit(fresh(fence, req("m:2", "acct:1", agent="mallory", known_clock=edge)), {})
+    for i in range(2):
+        seq = fence.current("acct:1")
+        t = fresh(fence, req(f"alice:{i}", "acct:1", agent="alice"))
+        assert t.seq == seq + 1 and t.vector_clock["alice"] == MAX_KNOWN_COUNTER + 1 + i
+        assert fence.commit(t, {"paid": i}).verify()
+
+
+def test_a_poisoned_head_is_still_refused_before_the_effect_runs(fence: EffectFence) -> None:
+    """The backstop behind bug 2's bound, for a head no request can make any more (a store
+    written before the bound; here a ticket edited by hand in-process): the attempt is
+    refused invalid_request before anything runs, and its claim released."""
+    t = fresh(fence, req("m:1", "acct:1", agent="mallory"))
+    t.vector_clock = VectorClock({"alice": 2**53 - 1, "mallory": 1})
+    fence.commit(t, {})
+    before = fence.stats()["prepare"]["invalid_request"]
+    with pytest.raises(InvalidRequest, match="JSON-safe maximum"):
+        fence.prepare(req("alice:1", "acct:1", agent="alice"))
+    assert fence.intent_status("alice:1").state == "absent"
+    assert fence.stats()["prepare"]["invalid_request"] == before + 1
+    assert fence.request("alice:1", "elsewhere", "t", {}, "alice").fresh

@@ -35,6 +35,7 @@ from effectfence import (
     verify_chain,
 )
 from effectfence.canonical import CanonicalError, canonical_bytes, fast_bytes
+from effectfence.cert import MAX_PAYLOAD_DEPTH
 from effectfence.model import PreparedEffect
 
 
@@ -355,8 +356,9 @@ def test_item4_mutated_from_another_thread_admitted_with_what_it_saw_or_refused(
 
 
 def test_item5_deep_nesting_with_a_high_max_depth_is_a_refusal() -> None:
-    """Pure twin: RecursionError escaped prepare (uncounted) for deeply nested args."""
-    fence = make_fence(max_depth=100_000)
+    """Pure twin: RecursionError escaped prepare (uncounted) for deeply nested args. The
+    highest max_depth a fence takes is deeper than the interpreter's stack allows."""
+    fence = make_fence(max_depth=MAX_PAYLOAD_DEPTH)
     deep = deep_list(5000)
     with pytest.raises(InvalidRequest, match="nesting"):
         fence.prepare(EffectRequest("deep", "d", "t", {"v": deep}))
@@ -489,7 +491,7 @@ HOSTILE = st.recursive(_hostile_leaf(), _hostile_container, max_leaves=12)
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-@given(value=HOSTILE, max_depth=st.sampled_from([8, 64, 100_000]))
+@given(value=HOSTILE, max_depth=st.sampled_from([8, 64, MAX_PAYLOAD_DEPTH]))
 def test_item5_hostile_payloads_get_a_refusal_within_bounds(value: Any, max_depth: int) -> None:
     """Shared sub-structures, deep nesting, huge ints, subclasses with odd methods: prepare
     and commit answer (admit, or refuse with a Refusal) within 2 s and 32 MiB."""

@@ -288,6 +288,36 @@ def test_tampered_and_broken_exports_are_reported_at_their_seq(tmp_path: Path) -
     assert "breaks at seq 1 (line 2)" in out.getvalue()
 
 
+def test_an_export_holding_an_integral_float_past_2_53_verifies_offline(tmp_path: Path) -> None:
+    """Review 2, bug 1: an export is canonical JSON (1.7e18 written 1700000000000000000);
+    read back with a plain parser it was an int, and the certificate was refused."""
+    fence = EffectFence.from_url(f"sqlite:///{sqlite_path().lstrip('/')}")
+    for n in range(1, 4):
+        ticket = fence.prepare(req(n)).ticket  # type: ignore[union-attr]
+        fence.commit(ticket, {"ts_ns": 1.7e18 + n * 1000.0})
+    code, full = run(certs.main, fence, "order:1", "--show-payload")
+    fence.close()
+    assert code == 0 and '"ts_ns":1700000000000001000' in full
+    export = tmp_path / "trail.jsonl"
+    export.write_text(full)
+    out = io.StringIO()
+    assert certs.main(["--file", str(export), "--verify"], out=out) == 0, out.getvalue()
+    assert out.getvalue().startswith("OK: 3 certificate(s)")
+
+
+def test_a_deeply_nested_line_is_a_complaint_not_a_traceback(tmp_path: Path) -> None:
+    """Review 2, bug 3: json.loads raised RecursionError out of ``certs --file --verify``."""
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    out = io.StringIO()
+    assert certs.main(["--file", str(deep), "--verify", "--json"], out=out) == 1
+    report = json.loads(out.getvalue())
+    assert not report["ok"] and report["broken_at_line"] == 1
+    assert "line 1 is not a certificate" in report["reason"]
+    certs_, lines, complaint = load_lines(['{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"])
+    assert certs_ == [] and lines == [] and complaint.startswith("line 1 is not a certificate")
+
+
 def test_commands_as_processes_against_sqlite(tmp_path: Path) -> None:
     """What an operator types, against the file the servers share."""
     url = f"sqlite:///{sqlite_path().lstrip('/')}"

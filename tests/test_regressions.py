@@ -15,7 +15,7 @@ from effectfence.canonical import MAX_SAFE_INTEGER
 from effectfence.counters import new_table
 from effectfence.decorator import fenced
 from effectfence.errors import InvalidRequest, LeaseLost, ReadSetStale
-from effectfence.model import EffectRequest
+from effectfence.model import MAX_KNOWN_COUNTER, EffectRequest
 from effectfence.store.cmemory import CMemoryStore
 from effectfence.store.memory import MemoryStore
 
@@ -302,18 +302,23 @@ def test_clock_at_the_edge_is_refused_at_prepare_not_after_the_effect_ran(
     """Found by review of the C accelerator (both paths had it): agent "a" may name another
     agent's counter at 2**53-1 in its known_clock; the domain's head then carries it, and the
     next prepare by "b" was admitted with b at 2**53: the effect runs, the certificate can't
-    encode the clock, commit is refused forever and the lapsed lease is admitted again."""
-    adm = fence.request("pay:a", "d", "t", {}, "a", known_clock={"b": MAX_SAFE_INTEGER})
-    fence.commit(adm.ticket, {"ok": True})
+    encode the clock, commit is refused forever and the lapsed lease is admitted again. A
+    later review found the fix (refusing b after its claim) still moved the domain's seq on
+    every refusal (G7), and let "a" lock "b" out of the domain: "a"'s request is now the
+    one refused, before anything, and "b" is unaffected."""
     before = fence.stats()["prepare"]["invalid_request"]
-    for _ in range(2):  # and after the lease would have lapsed
-        with pytest.raises(InvalidRequest, match="JSON-safe maximum"):
-            fence.request("pay:b", "d", "t", {}, "b")
-        clock.advance(10.0)
-    assert fence.intent_status("pay:b").state == "absent"  # the claim was released
+    for known in (MAX_SAFE_INTEGER, MAX_KNOWN_COUNTER + 1):
+        with pytest.raises(InvalidRequest, match="known_clock"):
+            fence.request("pay:a", "d", "t", {}, "a", known_clock={"b": known})
+    assert fence.intent_status("pay:a").state == "absent"
+    assert fence.current("d") == 0 and fence.store.in_flight("d") == 0  # nothing reserved
     assert fence.stats()["prepare"]["invalid_request"] == before + 2
-    assert fence.store.in_flight("d") == 0
-    assert fence.request("pay:b", "elsewhere", "t", {}, "b").fresh  # other domains unaffected
+    adm = fence.request("pay:a", "d", "t", {}, "a", known_clock={"b": MAX_KNOWN_COUNTER})
+    fence.commit(adm.ticket, {"ok": True})
+    clock.advance(10.0)
+    b = fence.request("pay:b", "d", "t", {}, "b")  # b's tick stays JSON-safe
+    assert b.fresh and b.ticket.vector_clock.to_dict()["b"] == MAX_KNOWN_COUNTER + 1
+    fence.commit(b.ticket, {"ok": True})
 
 
 # -- sound: checked, and holds --------------------------------------------------------------

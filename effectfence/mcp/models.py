@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, StrictInt, StrictStr,
 
 from effectfence.cert import CERT_FORMAT
 from effectfence.fence import MAX_CLEAR_TEXT
-from effectfence.model import MAX_CLOCK_AGENTS, MAX_NAME_LENGTH, MAX_READ_SET
+from effectfence.model import MAX_CLOCK_AGENTS, MAX_KNOWN_COUNTER, MAX_NAME_LENGTH, MAX_READ_SET
 
 __all__ = [
     "AbortInput",
@@ -60,7 +60,7 @@ JsonValue = Annotated[
 ]
 # seqs and clock counters go into RFC 8785 certificates: JSON-safe integers only
 _Seq = Annotated[int, Field(ge=0, le=2**53 - 2)]
-_Counter = Annotated[StrictInt, Field(ge=0, le=2**53 - 1)]
+_Counter = Annotated[StrictInt, Field(ge=0, le=MAX_KNOWN_COUNTER)]
 #: the input form of a read-set pair, bounded like the core bounds it
 ReadPairIn = Annotated[
     tuple[Annotated[StrictStr, Field(min_length=1, max_length=MAX_NAME_LENGTH)], StrictInt],

@@ -176,12 +176,14 @@ _ABORT_DESC = """\
 Give up on an effect whose outcome is UNKNOWN: the real tool failed in a way that MAY have
 fired (timeout, crash, ambiguous error). The intent becomes failed and every later
 fence_prepare of it is refused intent_failed until an operator reconciles what happened and
-clears it. Use fence_release instead only if the tool certainly did not fire."""
+clears it. Use fence_release instead only if the tool certainly did not fire.
+store_unavailable -> call fence_abort again later (safe to repeat); do NOT run the tool."""
 
 _RELEASE_DESC = """\
 Free an intent whose effect certainly did NOT fire (the real tool refused before acting, or
 you decided not to run it). A later fence_prepare of the intent answers "fresh" again. If you
-are not sure whether it fired, use fence_abort instead: a wrong release lets it run twice."""
+are not sure whether it fired, use fence_abort instead: a wrong release lets it run twice.
+store_unavailable -> call fence_release again later (safe to repeat)."""
 
 _RENEW_DESC = """\
 Heartbeat for a long-running real tool: extend your lease (default: the server's lease TTL,

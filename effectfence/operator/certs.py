@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from effectfence.canonical import canonical_bytes
+from effectfence.cert import CERT_MAX_DEPTH
 from effectfence.errors import StoreUnavailable
 from effectfence.fence import EffectFence
 from effectfence.operator.trail import (
@@ -134,7 +135,7 @@ def main(
             return 0 if report.ok else 1
         for cert in trail:
             body = cert.to_dict() if args.show_payload else redacted(cert)
-            out.write(canonical_bytes(body).decode() + "\n")
+            out.write(canonical_bytes(body, max_depth=CERT_MAX_DEPTH).decode() + "\n")
         return 0
     except TrailNotKept as exc:
         print(f"effectfence certs: {exc}", file=sys.stderr)

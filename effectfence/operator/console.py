@@ -316,6 +316,8 @@ class Console:
             entry = self.fence.clear(intent, reason=reason, who=f"{who} (console)", force=force)
         except (ValueError, AttributeError) as exc:
             return _json(400, {"code": "invalid_request", "message": str(exc)})
+        except RecursionError:  # json.loads of a deeply nested body: malformed input too
+            return _json(400, {"code": "invalid_request", "message": "body is nested too deeply"})
         except Refusal as exc:
             status = 400 if isinstance(exc, InvalidRequest) else 409
             return _json(status, exc.to_payload())

@@ -12,12 +12,12 @@ link, and that the chain check reports.
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from effectfence.canonical import json_loads
 from effectfence.cert import EffectCert, verify_chain
 from effectfence.errors import InvalidRequest
 from effectfence.store.base import FenceStore
@@ -91,15 +91,19 @@ def read_trail(
 
 def load_lines(lines: Iterable[str]) -> tuple[list[EffectCert], list[int], str]:
     """Certificates from JSON lines (blank lines skipped): (certs, their line numbers, and
-    the first unreadable line's complaint, which ends the reading)."""
+    the first unreadable line's complaint, which ends the reading).
+
+    An export is canonical JSON, read back by the decoder that gives back what was encoded
+    (an integral float such as 1.7e18 stays a float). Any line that is not a certificate,
+    nested too deep for the parser included, is a complaint, never a traceback."""
     certs: list[EffectCert] = []
     where: list[int] = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            certs.append(EffectCert.from_dict(json.loads(line)))
-        except (ValueError, InvalidRequest) as exc:
+            certs.append(EffectCert.from_dict(json_loads(line)))
+        except (ValueError, RecursionError, InvalidRequest) as exc:
             return certs, where, f"line {n} is not a certificate: {exc}"
         where.append(n)
     return certs, where, ""

@@ -13,7 +13,7 @@ import math
 from typing import Any
 
 from effectfence.canonical import canonical_bytes, json_loads
-from effectfence.cert import EffectCert
+from effectfence.cert import CERT_MAX_DEPTH, EffectCert
 from effectfence.protocol import IntentRecord, State
 
 __all__ = [
@@ -52,7 +52,7 @@ NEVER = 1e300
 
 def cert_to_json(cert: EffectCert) -> bytes:
     """RFC 8785 bytes of the certificate's JSON form (with its hash)."""
-    return canonical_bytes(cert.to_dict())
+    return canonical_bytes(cert.to_dict(), max_depth=CERT_MAX_DEPTH)
 
 
 def cert_from_json(data: bytes | str) -> EffectCert:
