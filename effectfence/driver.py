@@ -313,23 +313,36 @@ async def run_async(
             result = await effect(instr.ticket)
         except BaseException as exc:
             _stop_task(task)
-            return await _conclude(step, "throw", exc)
+            return await _conclude(step, "throw", exc, inline=off_loop is None)
         _stop_task(task)
-        return await _conclude(step, "send", result)
+        return await _conclude(step, "send", result, inline=off_loop is None)
     call: FencedCall = instr
     return call
 
 
 async def _conclude(
-    step: Callable[..., Awaitable[tuple[bool, Any]]], how: str, value: Any
+    step: Callable[..., Awaitable[tuple[bool, Any]]], how: str, value: Any, *, inline: bool
 ) -> FencedCall:
     """What follows the effect (commit, or abort / release, with their retries), carried
     to its end even if the caller is cancelled meanwhile: a commit left half-tried would
     leave the intent in flight, and an identical call would run the effect again once the
-    lease lapsed. The caller's cancellation still reaches the caller at once."""
+    lease lapsed. The caller's cancellation still reaches the caller at once.
+
+    ``inline``: the steps run on the loop and never suspend, so nothing can cancel the
+    first one; only a pause (a store error) needs the task below. That task costs as much
+    as the rest of an in-memory call, so the common case goes without it."""
+    pending: Any = None
+    if inline:
+        finished, pending = await step(how, value)
+        if finished:
+            call: FencedCall = pending
+            return call
 
     async def finish() -> FencedCall:
-        finished, instr = await step(how, value)
+        if pending is None:
+            finished, instr = await step(how, value)
+        else:
+            finished, instr = False, pending
         while not finished:
             if not isinstance(instr, Pause):  # after the effect, drive only pauses
                 raise AssertionError(f"unexpected instruction after the effect: {instr!r}")
