@@ -172,3 +172,20 @@ async def test_a_batch_that_calls_a_tool_is_refused_whole_and_runs_nothing(
     assert text(one) == "charged"
     assert h.ledger() == [{"order": 9}]
     assert await h.stop() == 0
+
+
+async def test_a_client_id_shaped_like_the_wrappers_own_still_gets_its_answer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wrapper tells its own requests' answers from the client's by id. A client id that
+    looked like one of them would have its answer swallowed, and the client would wait
+    forever: the wrapper's ids carry a random part no client can know."""
+    h = Harness(tmp_path, monkeypatch)
+    await h.start()
+    for rid in ("effectfence-wrap:1", "effectfence-wrap:2", "effectfence-wrap:"):
+        msg = {"jsonrpc": "2.0", "id": rid, "method": "ping", "params": {}}
+        h.reader.feed_data(json.dumps(msg).encode() + b"\n")
+        async with asyncio.timeout(BOUND):
+            while not any(json.loads(line).get("id") == rid for line in h.out):
+                await asyncio.sleep(0.01)
+    assert await h.stop() == 0

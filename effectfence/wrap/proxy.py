@@ -45,6 +45,7 @@ import contextlib
 import datetime
 import hashlib
 import os
+import secrets
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -69,8 +70,8 @@ META_KEY = "dev.effectfence/fence"
 MODERN_PREFIX = "io.modelcontextprotocol/"
 PROTOCOL_KEY = MODERN_PREFIX + "protocolVersion"
 CLIENT_INFO_KEY = MODERN_PREFIX + "clientInfo"
-#: ids of the wrapper's own requests to the child: never a client's (clients use numbers,
-#: or their own strings; a collision would need this exact prefix)
+#: ids of the wrapper's own requests to the child start with this and a random part drawn
+#: per wrapper, so no client id can be taken for one (its answer would never reach it)
 OWN_ID_PREFIX = "effectfence-wrap:"
 ALLOW_CLEAR_ENV = "EFFECTFENCE_ALLOW_CLEAR"
 LINE_LIMIT = 1 << 26  # 64 MiB: a resource read can be large; one line is one message
@@ -258,6 +259,7 @@ class Proxy:
         self._child_lock = asyncio.Lock()
         self._starts: list[float] = []
         self._next_id = 0
+        self._own_prefix = f"{OWN_ID_PREFIX}{secrets.token_hex(8)}:"
         self.era: str | None = None  # "legacy" (initialize) or "modern" (server/discover)
         self.init_params: dict[str, Any] | None = None
         self.initialized = False
@@ -402,7 +404,7 @@ class Proxy:
     # -- ids and requests to the child ----------------------------------------------------
     def _own_id(self) -> str:
         self._next_id += 1
-        return f"{OWN_ID_PREFIX}{self._next_id}"
+        return f"{self._own_prefix}{self._next_id}"
 
     def _expect(self, child: Child, own: str) -> asyncio.Future[dict[str, Any]]:
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
@@ -557,7 +559,7 @@ class Proxy:
             return
         if isinstance(msg, dict) and "method" not in msg:
             rid = msg.get("id")
-            if type(rid) is str and rid.startswith(OWN_ID_PREFIX):
+            if type(rid) is str and rid.startswith(self._own_prefix):
                 listing = self._list_ids.pop(rid, None)
                 if listing is not None:
                     self._listed(listing[0], listing[1], msg)
