@@ -189,3 +189,42 @@ async def test_a_client_id_shaped_like_the_wrappers_own_still_gets_its_answer(
             while not any(json.loads(line).get("id") == rid for line in h.out):
                 await asyncio.sleep(0.01)
     assert await h.stop() == 0
+
+
+async def test_a_call_cancelled_while_the_tools_are_learned_runs_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first call makes the wrapper ask the child for its tools. A cancel that comes
+    during that wait stops the call: nothing is claimed, nothing runs, no answer is sent,
+    and the same call made again runs once."""
+    gate = tmp_path / "gate"
+    h = Harness(tmp_path, monkeypatch, RAW_LIST_GATE=str(gate))
+    init = {
+        "protocolVersion": "2025-06-18",
+        "capabilities": {},
+        "clientInfo": {"name": "faults", "version": "1"},
+    }
+    await h.answer(h.send("initialize", init))
+    h.notify("notifications/initialized")
+    call = {"name": "charge", "arguments": {"order": 11}}
+    first = h.send("tools/call", call)
+    asked = Path(str(gate) + ".asked")
+    async with asyncio.timeout(BOUND):
+        while not asked.exists():  # the wrapper is waiting for the child's tools now
+            await asyncio.sleep(0.01)
+    cancel = {"requestId": first, "reason": "changed my mind"}
+    h.reader.feed_data(
+        json.dumps(
+            {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": cancel}
+        ).encode()
+        + b"\n"
+    )
+    async with asyncio.timeout(BOUND):
+        while first in h.proxy.calls:
+            await asyncio.sleep(0.01)
+    gate.touch()
+    again = await h.answer(h.send("tools/call", call))
+    assert text(again) == "charged"
+    assert h.ledger() == [{"order": 11}], "the cancelled call ran"
+    assert not [line for line in h.out if json.loads(line).get("id") == first]
+    assert await h.stop() == 0

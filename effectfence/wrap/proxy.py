@@ -740,32 +740,37 @@ class Proxy:
             await self._forward(line, cid, msg)
             return
         modern = _is_modern(params)
-        try:
-            await self.ensure_tools()
-        except ChildGone as exc:
-            self._answer(
-                cid,
-                modern,
-                self._text_result(f"effectfence wrap: {exc}. Nothing was run.", error=True),
-            )
-            return
-        for role, own in self.own_names.items():
-            if name == own and (role != "clear" or self.allow_clear):
-                await self._own_tool(cid, modern, role, params)
-                return
-        tp = self.policy.for_tool(name)
-        if not tp.fenced(self.tools.get(name)):
-            self.stats.passed += 1
-            self.stats.tool(name, "passed")
-            await self._forward(line, cid, msg)
-            return
+        # registered before the first wait: a cancel that comes while the child's tools
+        # are being learned stops the call there, before anything is decided or run
         call = self.calls[cid] = _Call(task=asyncio.current_task())
         try:
+            try:
+                await self.ensure_tools()
+            except ChildGone as exc:
+                self._answer(
+                    cid,
+                    modern,
+                    self._text_result(f"effectfence wrap: {exc}. Nothing was run.", error=True),
+                )
+                return
+            for role, own in self.own_names.items():
+                if name == own and (role != "clear" or self.allow_clear):
+                    self.calls.pop(cid, None)
+                    await self._own_tool(cid, modern, role, params)
+                    return
+            tp = self.policy.for_tool(name)
+            if not tp.fenced(self.tools.get(name)):
+                self.calls.pop(cid, None)  # the child's now: a cancel is relayed to it
+                self.stats.passed += 1
+                self.stats.tool(name, "passed")
+                await self._forward(line, cid, msg)
+                return
             await self._fenced(cid, msg, line, name, params, tp, modern, call)
         except asyncio.CancelledError:
             pass  # the client cancelled: per MCP it expects no answer
         finally:
-            self.calls.pop(cid, None)
+            if self.calls.get(cid) is call:
+                del self.calls[cid]
 
     def request_for(self, name: str, args: dict[str, Any], tp: ToolPolicy) -> EffectRequest:
         """The intent: namespace, tool, and a digest of the arguments that name the action
