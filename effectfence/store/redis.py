@@ -60,7 +60,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import re
 import secrets
 import threading
@@ -76,6 +75,7 @@ from redis.retry import Retry
 
 from effectfence.errors import StoreUnavailable
 from effectfence.protocol import IntentRecord, State
+from effectfence.store import _fork
 from effectfence.store._waiters import Waiters
 from effectfence.store.base import (
     APPLIED,
@@ -433,12 +433,11 @@ class _Connections:
         self._free: list[Any] = []
         self._all: list[Any] = []
         self._lock = threading.Lock()
-        self._pid = os.getpid()
+        self._fork = _fork.generation()
 
     def take(self) -> Any:
-        if self._pid != os.getpid():  # forked: the sockets are the parent's
-            with self._lock:
-                self._free, self._all, self._pid = [], [], os.getpid()
+        if self._fork != _fork.generation():
+            self._forked()
         try:
             conn = self._free.pop()
         except IndexError:
@@ -457,6 +456,18 @@ class _Connections:
         if stale:
             conn.disconnect()  # the next send connects again
         return conn
+
+    def _forked(self) -> None:
+        """A forked child's first step: the sockets are the parent's, left to it untouched
+        (see :mod:`effectfence.store._fork`), and the lock, which a thread of the parent
+        may have held at the fork, is the child's own."""
+        with _fork.LOCK:
+            if self._fork == _fork.generation():  # another thread of the child came first
+                return
+            _fork.abandon(*self._all)
+            self._free, self._all = [], []
+            self._lock = threading.Lock()
+            self._fork = _fork.generation()
 
     def give(self, conn: Any) -> None:
         self._free.append(conn)
