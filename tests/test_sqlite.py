@@ -33,6 +33,7 @@ from effectfence import (
     StoreUnavailable,
 )
 from effectfence.model import PreparedEffect
+from effectfence.protocol import State
 from effectfence.store import default_store_url, open_store
 from effectfence.store.sqlite import SCHEMA_VERSION, SQLiteStore, StoreSchemaError
 
@@ -400,6 +401,113 @@ def test_closed_store_is_unavailable(tmp_path: Path) -> None:
     store.close()
     with pytest.raises(StoreUnavailable):
         store.get("x")
+
+
+# -- the read cache: a replay served again while the WAL-index header stands still ----------------
+
+
+def test_a_kept_read_gives_way_to_another_process_commit(tmp_path: Path) -> None:
+    path = str(tmp_path / "kept.db")
+    store = SQLiteStore(path)
+    try:
+        assert store.read("charge:kept")[0] is None
+        assert store.read("charge:kept")[0] is None  # served kept now
+        assert "charge:kept" in store._reads
+        out = run("commit_one", url=f"sqlite:///{path}", intent="charge:kept")
+        assert out["fresh"] is True
+        rec = store.read("charge:kept")[0]
+        assert rec is not None and rec.state is State.DONE, "a kept read outlived a commit"
+        assert rec.cert.hash == out["hash"]
+    finally:
+        store.close()
+
+
+def test_a_kept_read_gives_way_to_another_connection_clearing(tmp_path: Path) -> None:
+    path = str(tmp_path / "kept.db")
+    store = SQLiteStore(path)
+    fence = EffectFence(store=store)
+    fence.commit(fence.prepare(req("charge:clear")).ticket, "r")
+    other = SQLiteStore(path)
+    try:
+        assert store.read("charge:clear")[0] is not None
+        assert store.read("charge:clear")[0] is store._reads["charge:clear"][3]
+        assert other.clear("charge:clear") is not None
+        assert store.read("charge:clear")[0] is None, "a cleared intent replayed from a kept read"
+    finally:
+        other.close()
+        store.close()
+
+
+def test_a_kept_read_keeps_the_record_never_the_time(tmp_path: Path) -> None:
+    """Leases lapse on a kept record as on a read one: ``now`` is computed at every read."""
+    clock = FakeClock(1_700_000_000.0)
+    store = SQLiteStore(str(tmp_path / "t.db"), clock=clock)
+    fence = EffectFence(FenceConfig(lease_ttl=10.0, auto_sweep=False), store=store)
+    try:
+        t = fence.prepare(req(agent="holder")).ticket
+        with pytest.raises(IntentInFlight):
+            fence.prepare(req(agent="twin"))
+        rec, now = store.read(t.intent)
+        clock.advance(11.0)
+        kept, later = store.read(t.intent)
+        assert kept is rec  # served kept: nothing was committed since
+        assert later == pytest.approx(now + 11.0)
+        adm = fence.prepare(req(agent="taker"))
+        assert adm.fresh and adm.takeover and adm.ticket.token > t.token
+    finally:
+        store.close()
+
+
+def test_a_torn_or_missing_wal_header_means_the_statement_runs(tmp_path: Path) -> None:
+    store = SQLiteStore(str(tmp_path / "t.db"))
+    store.read("charge:1")
+    good = os.pread(store._shm or -1, 96, 0)
+    assert len(good) == 96 and store._wal_header() == good
+    uninitialised = good[:12] + b"\x00" + good[13:48]
+    fake = tmp_path / "fake-shm"
+    try:
+        for header in (good[:48] + bytes(48), uninitialised * 2, good[:60], b""):
+            fake.write_bytes(header)
+            fd = os.open(fake, os.O_RDONLY)
+            store._shm = fd
+            try:
+                assert store._wal_header() is None, header
+                assert store.read("charge:1")[0] is None  # read by the statement, unharmed
+            finally:
+                os.close(fd)
+    finally:
+        store._shm = -1
+        store.close()
+
+
+def _forked_child_reads(store: SQLiteStore, go: Any, out: Any) -> None:
+    go.recv()  # the parent has closed its store and another process committed
+    rec = store.read("charge:forked")[0]
+    out.send(None if rec is None else rec.state.value)
+
+
+def test_a_forked_child_does_not_trust_its_parents_kept_reads(tmp_path: Path) -> None:
+    """The parent's ``-shm`` descriptor outlives the file when the parent closes the last
+    connection (SQLite deletes it then): its header stands still forever, and every kept
+    read would look current. A forked child reads by statement until it has its own."""
+    import multiprocessing
+
+    path = str(tmp_path / "fork.db")
+    store = SQLiteStore(path)
+    EffectFence(store=store).commit(EffectFence(store=store).prepare(req("charge:p")).ticket, "r")
+    assert store.read("charge:forked")[0] is None  # kept in the parent's cache
+    ctx = multiprocessing.get_context("fork")
+    go_child, go = ctx.Pipe()
+    mine, theirs = ctx.Pipe()
+    proc = ctx.Process(target=_forked_child_reads, args=(store, go_child, theirs))
+    proc.start()
+    store.close()
+    assert run("commit_one", url=f"sqlite:///{path}", intent="charge:forked")["fresh"] is True
+    go.send(True)
+    assert mine.poll(30), "the child did not answer"
+    assert mine.recv() == State.DONE.value, "the child replayed a read its parent kept"
+    proc.join(30)
+    assert proc.exitcode == 0
 
 
 # -- processes ------------------------------------------------------------------------------------

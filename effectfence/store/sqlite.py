@@ -100,6 +100,10 @@ _REBASE_AFTER = 1.0
 #: rows a sweep deletes per transaction, so the write lock is never held for long
 _SWEEP_BATCH = 1000
 _CERT_CACHE = 4096
+#: replays of recently read intents, each kept with the WAL-index header it was read under
+_READ_CACHE = 4096
+#: the WAL-index header: two copies of 48 bytes at the start of the ``-shm`` file
+_WAL_HEADER = 96
 
 #: one writer lock per database file per process. Threads of one process queue on it and are
 #: woken the moment the writer before them commits; without it they meet SQLite's busy
@@ -115,9 +119,41 @@ def _writer_lock(path: str) -> threading.RLock:
         return _WRITERS.setdefault(path, threading.RLock())
 
 
+#: One read-only descriptor per ``-shm`` file per process, never closed while it names the
+#: file SQLite uses: closing ANY descriptor of a file drops every POSIX lock this process
+#: holds on it, SQLite's WAL locks included (its own ``unixInodeInfo`` exists for this).
+_SHM_FDS: dict[str, int] = {}
+_SHM_LOCK = threading.Lock()
+
+
+def _shm_fd(path: str) -> int:
+    """The descriptor of ``path``'s current ``-shm`` file (call with a connection open on
+    it, so the file cannot be replaced meanwhile). A kept descriptor of a file since
+    replaced (every connection closed, the file deleted, a new one made) holds no lock of
+    SQLite's (those are on the new file), so it is closed and the new file opened."""
+    shm = path + "-shm"
+    with _SHM_LOCK:
+        now = os.stat(shm)
+        fd = _SHM_FDS.get(path)
+        if fd is not None:
+            kept = os.fstat(fd)
+            if (kept.st_dev, kept.st_ino) == (now.st_dev, now.st_ino):
+                return fd
+            del _SHM_FDS[path]
+            os.close(fd)
+        fd = os.open(shm, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        opened = os.fstat(fd)
+        if (opened.st_dev, opened.st_ino) != (now.st_dev, now.st_ino):
+            os.close(fd)  # replaced between stat and open: not SQLite's file, no lock on it
+            raise FileNotFoundError(shm)
+        _SHM_FDS[path] = fd
+        return fd
+
+
 def _reset_writers_after_fork() -> None:
     # a thread of the parent may have held one at fork: the child's copy would stay held
     _WRITERS_LOCK._at_fork_reinit()  # type: ignore[attr-defined]
+    _SHM_LOCK._at_fork_reinit()  # type: ignore[attr-defined]
     for lock in _WRITERS.values():
         lock._at_fork_reinit()  # type: ignore[attr-defined]
 
@@ -260,6 +296,9 @@ class SQLiteStore(FenceStore):
         self._fork = _fork.generation()
         self._closed = False
         self._cert_cache: dict[bytes, Any] = {}
+        self._reads: dict[str, tuple[bytes, float, float, IntentRecord | None]] = {}
+        self._shm: int | None = None  # fd of the -shm file; -1: no read cache here
+        self._keeper: sqlite3.Connection | None = None
         self._key: bytes | None = None
         self._key_lock = threading.Lock()
         self._writer = _writer_lock(self.path)
@@ -318,6 +357,12 @@ class SQLiteStore(FenceStore):
     def _connect(self) -> sqlite3.Connection:
         if self._closed:
             raise StoreUnavailable(f"the SQLite store {self.path} is closed", path=self.path)
+        conn = self._open_conn()
+        with self._all_lock:
+            self._all.append(conn)
+        return conn
+
+    def _open_conn(self) -> sqlite3.Connection:
         conn = sqlite3.connect(
             self.path,
             timeout=self.busy_timeout,
@@ -330,8 +375,6 @@ class SQLiteStore(FenceStore):
         except BaseException:
             conn.close()
             raise
-        with self._all_lock:
-            self._all.append(conn)
         return conn
 
     def _acquire(self) -> sqlite3.Connection:
@@ -354,6 +397,8 @@ class SQLiteStore(FenceStore):
                 return
             _fork.abandon(*self._all)  # never closed: that could delete the WAL
             self._all, self._free = [], []
+            # the parent's keeper holds no lock for us: open our own before reading -shm
+            self._keeper, self._shm, self._reads = None, None, {}
             self._all_lock = threading.Lock()  # a parent's thread may have held it at fork
             self._key_lock = threading.Lock()
             self._fork = _fork.generation()
@@ -620,15 +665,84 @@ class SQLiteStore(FenceStore):
         return self._decode(rows[0]) if rows else None
 
     def read(self, intent: str) -> tuple[IntentRecord | None, float]:
-        """The record and the clock state in one statement: one snapshot, one round trip."""
+        """The record and the clock state in one statement: one snapshot, one round trip.
+
+        A replay reads the same row again and again, so the answer is kept with the
+        WAL-index header it was read under and served again while the header is unchanged.
+        Every commit, by any connection of any process, rewrites that header, so an unchanged
+        header means an unchanged database: the kept answer is the one the statement would
+        return. Time is not kept: ``now`` is computed afresh from the kept clock state, so
+        leases and TTLs lapse on a kept record exactly as on a read one. (Were the check
+        ever wrong, the harm is bounded: a decision to run goes through a write step that
+        re-reads under the write lock; only a read-only answer could be stale.)"""
+        header = self._wal_header()
+        if header is not None:
+            kept = self._reads.get(intent)
+            if kept is not None and kept[0] == header:
+                return kept[3], self._now_from(kept[1], kept[2])
         (row,) = self._query(
             "read",
             f"SELECT f.clock_offset, f.clock_last, {_ICOLS} FROM fence f "
             "LEFT JOIN intents i ON i.intent = ? WHERE f.id = 0",
             (intent,),
         )
-        now = self._now_from(row[0], row[1])
-        return (None if row[2] is None else self._decode(row[2:])), now
+        rec = None if row[2] is None else self._decode(row[2:])
+        if header is not None:
+            # read after the header, so at least as new as the state it names; kept under
+            # it, it is served only while nothing has been committed since (see above)
+            reads = self._reads
+            if len(reads) >= _READ_CACHE:
+                reads.clear()  # bounded; a miss only costs the statement
+            reads[intent] = (header, row[0], row[1], rec)
+        return rec, self._now_from(row[0], row[1])
+
+    def _wal_header(self) -> bytes | None:
+        """The WAL-index header (https://sqlite.org/walformat.html#the_wal_index_header):
+        the commit counter, last frame and salts of the WAL, rewritten by every commit.
+        None when it cannot be read whole and consistent (a writer is between its two
+        copies, or there is no ``-shm`` file to read): then the statement runs."""
+        if self._fork != _fork.generation():
+            return None  # the statement's _acquire moves a forked child onto its own first
+        fd = self._shm
+        if fd is None:
+            fd = self._open_shm()
+        if fd < 0:
+            return None
+        try:
+            header = os.pread(fd, _WAL_HEADER, 0)
+        except OSError:
+            return None
+        half = _WAL_HEADER // 2
+        if len(header) != _WAL_HEADER or header[12] != 1 or header[:half] != header[half:]:
+            return None  # short, not initialised, or mid-update
+        return header
+
+    def _open_shm(self) -> int:
+        """Open the ``-shm`` file for reading, behind a connection of our own kept open.
+
+        The keeper holds the locks that stop any process from deleting or truncating the
+        ``-shm`` file (SQLite does both only when it holds the last connection), so the file
+        read stays the one every writer updates. Without ``os.pread`` (Windows) there is no
+        read cache: every replay runs its statement."""
+        if not hasattr(os, "pread"):
+            self._shm = -1
+            return -1
+        with self._all_lock:
+            if self._shm is not None:
+                return self._shm
+            if self._closed:
+                return -1
+            try:
+                keeper = self._keeper
+                if keeper is None:
+                    keeper = self._keeper = self._open_conn()
+                    self._all.append(keeper)
+                keeper.execute("SELECT 1 FROM fence WHERE id = 0").fetchall()  # maps the WAL
+                fd = _shm_fd(self.path)
+            except (OSError, sqlite3.Error):
+                return -1  # tried again on the next read
+            self._shm = fd
+            return fd
 
     def current(self, domain: str) -> int:
         (row,) = self._query(
@@ -1088,6 +1202,7 @@ class SQLiteStore(FenceStore):
         self._closed = True
         with self._all_lock:
             conns, self._all = self._all, []
+            self._shm, self._keeper = -1, None  # the descriptor stays open: see _SHM_FDS
         self._free.clear()
         for conn in conns:
             with contextlib.suppress(sqlite3.Error):
