@@ -35,6 +35,7 @@ from effectfence import (
 from effectfence.model import PreparedEffect
 from effectfence.protocol import State
 from effectfence.store import default_store_url, open_store
+from effectfence.store._waiters import Waiters
 from effectfence.store.sqlite import SCHEMA_VERSION, SQLiteStore, StoreSchemaError
 
 WORKER = str(Path(__file__).with_name("sqlite_worker.py"))
@@ -550,6 +551,47 @@ def test_a_forked_child_never_writes_through_its_parents_connections(tmp_path: P
         assert again.cert.result == "by the child"
     finally:
         other.close()
+
+
+def _in_the_forked_child(store: SQLiteStore, waiters: Waiters, out: Any) -> None:
+    waiters.wake("charge:held")
+    fence = EffectFence(store=store)
+    adm = fence.prepare(req("charge:held-at-fork", agent="child"))
+    fence.commit(adm.ticket, "r")
+    out.send(True)
+
+
+def test_locks_a_parents_thread_held_at_the_fork_are_free_in_the_child(tmp_path: Path) -> None:
+    """The thread that held them does not exist in the child: a lock copied held would be
+    waited for forever (the child's first step would hang, not fail)."""
+    import multiprocessing
+
+    store = SQLiteStore(str(tmp_path / "held.db"))
+    waiters = Waiters()
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with store._all_lock, waiters._lock:
+            held.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(10)
+    ctx = multiprocessing.get_context("fork")
+    mine, theirs = ctx.Pipe()
+    proc = ctx.Process(target=_in_the_forked_child, args=(store, waiters, theirs))
+    try:
+        proc.start()
+        done = mine.poll(30)
+    finally:
+        release.set()
+        holder.join(10)
+        if proc.is_alive():
+            proc.kill()
+        proc.join(10)
+        store.close()
+    assert done and mine.recv() is True, "the child hung on a lock its parent's thread held"
 
 
 def test_storm_four_processes_eight_threads_one_execution(tmp_path: Path) -> None:

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from typing import Any
 
-__all__ = ["LOCK", "abandon", "generation"]
+__all__ = ["LOCK", "abandon", "generation", "lock"]
 
 _GENERATION = [0]
 _ABANDONED: list[Any] = []
+_LOCKS: weakref.WeakSet[Any] = weakref.WeakSet()
 
 #: held while a store moves off its inherited connections (reset in every child)
 LOCK = threading.Lock()
@@ -28,6 +30,15 @@ def generation() -> int:
     return _GENERATION[0]
 
 
+def lock() -> threading.Lock:
+    """A lock a forked child finds released. A thread of the parent that held it at the
+    fork does not exist in the child, which would wait for it forever; the structures such
+    a lock guards change in single bytecodes, so they are whole at any fork."""
+    new = threading.Lock()
+    _LOCKS.add(new)
+    return new
+
+
 def abandon(*objs: Any) -> None:
     """Keep ``objs`` alive and untouched for the life of this process."""
     _ABANDONED.extend(o for o in objs if o is not None)
@@ -35,6 +46,8 @@ def abandon(*objs: Any) -> None:
 
 def _after_fork_in_child() -> None:
     LOCK._at_fork_reinit()  # type: ignore[attr-defined]
+    for held in list(_LOCKS):
+        held._at_fork_reinit()
     _GENERATION[0] += 1
 
 

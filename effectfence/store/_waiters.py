@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 
 from effectfence.protocol import IntentRecord
+from effectfence.store import _fork
 from effectfence.store.base import same_record
 
 __all__ = ["Waiters"]
@@ -27,7 +28,7 @@ class Waiters:
     """intent key -> events of the threads waiting for it."""
 
     def __init__(self, poll: float = DEFAULT_POLL) -> None:
-        self._lock = threading.Lock()
+        self._lock = _fork.lock()
         self._events: dict[str, list[threading.Event]] = {}
         self.poll = poll
 

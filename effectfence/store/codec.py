@@ -18,6 +18,7 @@ from effectfence.protocol import IntentRecord, State
 
 __all__ = [
     "RECORD_FIELDS",
+    "CertCache",
     "cert_from_json",
     "cert_to_json",
     "decode_deadline",
@@ -58,6 +59,35 @@ def cert_to_json(cert: EffectCert) -> bytes:
 def cert_from_json(data: bytes | str) -> EffectCert:
     """The certificate back from :func:`cert_to_json`; its hash is kept as stored."""
     return EffectCert.from_dict(json_loads(data.encode() if isinstance(data, str) else data))
+
+
+class CertCache:
+    """Certificates by their stored bytes: a replay decodes each one once, not every time.
+
+    Certificates are immutable, so one decoded object serves every replay of it. A commit
+    that applied hands its certificate in (:meth:`keep`): the bytes were made from it, so
+    the first replay in this process costs no decode either. Bounded: when full it starts
+    over; a miss only costs a decode."""
+
+    __slots__ = ("_by_bytes", "size")
+
+    def __init__(self, size: int = 4096) -> None:
+        self._by_bytes: dict[bytes, EffectCert] = {}
+        self.size = size
+
+    def decode(self, data: bytes) -> EffectCert:
+        cert = self._by_bytes.get(data)
+        if cert is None:
+            cert = cert_from_json(data)
+            self.keep(data, cert)
+        return cert
+
+    def keep(self, data: bytes, cert: EffectCert) -> None:
+        """``data`` is :func:`cert_to_json` of ``cert``."""
+        by_bytes = self._by_bytes
+        if len(by_bytes) >= self.size:
+            by_bytes.clear()
+        by_bytes[data] = cert
 
 
 def entry_to_json(entry: Any) -> str:

@@ -78,6 +78,7 @@ from effectfence.store.base import (
 from effectfence.store.codec import (
     NEVER,
     RECORD_FIELDS,
+    CertCache,
     cert_from_json,
     cert_to_json,
     entry_from_json,
@@ -621,8 +622,8 @@ class PostgresStore(FenceStore):
         self._closed = False
         self._notes: list[str] = []  # what the connect-time checks found and changed
         self._checked: weakref.WeakSet[psycopg.Connection[Any]] = weakref.WeakSet()
-        self._checked_lock = threading.Lock()
-        self._cert_cache: dict[bytes, Any] = {}
+        self._checked_lock = _fork.lock()
+        self._certs = CertCache(_CERT_CACHE)
         self._key: bytes | None = None
         self._own_pool = pool is None
         self._pool_size = (pool_min, max(pool_min, pool_max))
@@ -640,7 +641,7 @@ class PostgresStore(FenceStore):
         self._waiters = Waiters()
         self._listener: threading.Thread | None = None
         self._listen_conn: psycopg.Connection[Any] | None = None
-        self._listener_lock = threading.Lock()
+        self._listener_lock = _fork.lock()
         try:
             self.store_id = self._init_schema()
         except BaseException:
@@ -714,9 +715,7 @@ class PostgresStore(FenceStore):
                 )
             _fork.abandon(self._pool, self._listen_conn)  # the parent's: never touched
             self._listen_conn, self._listener = None, None
-            self._listener_lock = threading.Lock()
             self._checked = weakref.WeakSet()
-            self._checked_lock = threading.Lock()
             self._waiters = Waiters()
             self._pool = self._open_pool()
             self._fork = _fork.generation()
@@ -942,16 +941,7 @@ class PostgresStore(FenceStore):
 
     # -- records ------------------------------------------------------------------------------
     def _cert(self, data: bytes | None) -> Any:
-        if data is None:
-            return None
-        cache = self._cert_cache
-        c = cache.get(data)
-        if c is None:
-            c = cert_from_json(data)
-            if len(cache) >= _CERT_CACHE:
-                cache.clear()  # bounded; certificates are immutable, a miss only costs
-            cache[data] = c
-        return c
+        return None if data is None else self._certs.decode(data)
 
     def _decode(self, intent: str, row: Sequence[Any]) -> IntentRecord:
         """A record from the columns after ``intent`` (``state`` .. ``reclaim_at``)."""
@@ -1142,6 +1132,7 @@ class PostgresStore(FenceStore):
         stale_reclaim_after: float,
     ) -> Step:
         cert_json = cert_to_json(cert)
+        self._certs.keep(cert_json, cert)  # the first replay here decodes nothing
         params = (
             intent,
             token,

@@ -91,6 +91,7 @@ from effectfence.store.base import (
 from effectfence.store.codec import (
     NEVER,
     RECORD_FIELDS,
+    CertCache,
     cert_from_json,
     cert_to_json,
     entry_from_json,
@@ -432,7 +433,7 @@ class _Connections:
         self._max: int = pool.max_connections  # the bound the pool would have kept
         self._free: list[Any] = []
         self._all: list[Any] = []
-        self._lock = threading.Lock()
+        self._lock = _fork.lock()
         self._fork = _fork.generation()
 
     def take(self) -> Any:
@@ -466,7 +467,6 @@ class _Connections:
                 return
             _fork.abandon(*self._all)
             self._free, self._all = [], []
-            self._lock = threading.Lock()
             self._fork = _fork.generation()
 
     def give(self, conn: Any) -> None:
@@ -632,7 +632,7 @@ class RedisStore(FenceStore):
                 max_connections=max_connections,
             )
         self._r: redis.Redis = client
-        self._cert_cache: dict[bytes, Any] = {}
+        self._certs = CertCache(_CERT_CACHE)
         self._key: bytes | None = None
         r = self._r
         # the store's own client: steps on its own connections (see _Connections)
@@ -650,7 +650,7 @@ class RedisStore(FenceStore):
         self._s_sweep = _Script(r, _PRELUDE + _SWEEP, self._conns)
         self._waiters = Waiters()
         self._listener: threading.Thread | None = None
-        self._listener_lock = threading.Lock()
+        self._listener_lock = _fork.lock()
         try:
             # settings first: a server the store refuses gets nothing written
             self._durability = self._read_persistence()
@@ -927,14 +927,7 @@ class RedisStore(FenceStore):
 
     # -- records ------------------------------------------------------------------------------
     def _cert(self, data: bytes) -> Any:
-        cache = self._cert_cache
-        c = cache.get(data)
-        if c is None:
-            c = cert_from_json(data)
-            if len(cache) >= _CERT_CACHE:
-                cache.clear()
-            cache[data] = c
-        return c
+        return self._certs.decode(data)
 
     def _decode(self, intent: str, f: Sequence[Any]) -> IntentRecord | None:
         """A record from its hash fields in :data:`_FIELDS` order (state None: no record)."""
@@ -1130,11 +1123,13 @@ class RedisStore(FenceStore):
         stale_reason: str,
         stale_reclaim_after: float,
     ) -> Step:
+        cert_json = cert_to_json(cert)
+        self._certs.keep(cert_json, cert)  # the first replay here decodes nothing
         args: list[Any] = [
             self._t(),
             intent,
             token,
-            cert_to_json(cert),
+            cert_json,
             cert.hash,
             json.dumps(cert.vector_clock, separators=(",", ":")),
             _num(result_ttl),

@@ -75,6 +75,7 @@ from effectfence.store.base import (
 from effectfence.store.codec import (
     NEVER,
     RECORD_FIELDS,
+    CertCache,
     cert_from_json,
     cert_to_json,
     encode_deadline,
@@ -292,15 +293,15 @@ class SQLiteStore(FenceStore):
         self._clock = clock
         self._free: list[sqlite3.Connection] = []
         self._all: list[sqlite3.Connection] = []
-        self._all_lock = threading.Lock()
+        self._all_lock = _fork.lock()
         self._fork = _fork.generation()
         self._closed = False
-        self._cert_cache: dict[bytes, Any] = {}
+        self._certs = CertCache(_CERT_CACHE)
         self._reads: dict[str, tuple[bytes, float, float, IntentRecord | None]] = {}
         self._shm: int | None = None  # fd of the -shm file; -1: no read cache here
         self._keeper: sqlite3.Connection | None = None
         self._key: bytes | None = None
-        self._key_lock = threading.Lock()
+        self._key_lock = _fork.lock()
         self._writer = _writer_lock(self.path)
         if not os.path.exists(self.path):
             # the file holds the ticket sealing key: readable by its owner only
@@ -399,8 +400,6 @@ class SQLiteStore(FenceStore):
             self._all, self._free = [], []
             # the parent's keeper holds no lock for us: open our own before reading -shm
             self._keeper, self._shm, self._reads = None, None, {}
-            self._all_lock = threading.Lock()  # a parent's thread may have held it at fork
-            self._key_lock = threading.Lock()
             self._fork = _fork.generation()
 
     def _unavailable(self, op: str, exc: BaseException) -> StoreUnavailable:
@@ -606,15 +605,7 @@ class SQLiteStore(FenceStore):
     def _decode(self, row: Sequence[Any]) -> IntentRecord:
         (intent, state, token, fp, domain, agent, lease_until, cert, until, reason, since, seq,
          reclaim_at) = row  # fmt: skip
-        c = None
-        if cert is not None:
-            cache = self._cert_cache
-            c = cache.get(cert)
-            if c is None:
-                c = cert_from_json(cert)
-                if len(cache) >= _CERT_CACHE:
-                    cache.clear()  # bounded; certificates are immutable, a miss only costs
-                cache[cert] = c
+        c = None if cert is None else self._certs.decode(cert)
         return IntentRecord(
             intent,
             _STATES[state],
@@ -938,6 +929,7 @@ class SQLiteStore(FenceStore):
         stale_reclaim_after: float,
     ) -> Step:
         cert_json = cert_to_json(cert)  # encoded before the lock is taken
+        self._certs.keep(cert_json, cert)  # the first replay here decodes nothing
         step: Step = self._write(
             "complete",
             self._complete,
