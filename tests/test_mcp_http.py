@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -280,6 +281,53 @@ def test_tokens_file_rules(tmp_path: Path) -> None:
         stdin=subprocess.DEVNULL,
     )
     assert proc.returncode == 2 and "cannot read the tokens file" in proc.stderr
+
+
+def _event(srv: HttpServer, name: str, after: int) -> dict[str, Any]:
+    """The first ``name`` event the server logged after line ``after`` (bounded wait)."""
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        for line in srv.lines[after:]:
+            if f'"{name}"' in line:
+                found: dict[str, Any] = json.loads(line)
+                return found
+        time.sleep(0.02)
+    raise AssertionError(f"no {name} event: {srv.lines[-10:]}")
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="SIGHUP is POSIX's")
+def test_sighup_reloads_the_tokens_and_a_file_that_does_not_parse_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    """An operator rotates or revokes a token without restarting the server (and dropping
+    every agent's session): rewrite the file, send SIGHUP."""
+    tokens = tmp_path / "tokens"
+    old, new = TOKENS["alice"], "alice-rotated-fedcba9876543210"
+    tokens.write_text(f"alice {old}\n")
+    tokens.chmod(0o600)
+    with http_server([*SERVE, "--http", "127.0.0.1:0", "--tokens", str(tokens)]) as srv:
+
+        def status(token: str) -> int:
+            auth = {"Authorization": f"Bearer {token}"}
+            return httpx.get(srv.base + "/metrics", headers=auth, timeout=TIMEOUT).status_code
+
+        assert (status(old), status(new)) == (200, 401)
+        tokens.write_text(f"alice {new}\nbob sha256:{'b' * 64}\n")
+        seen = len(srv.lines)
+        srv.proc.send_signal(signal.SIGHUP)
+        assert _event(srv, "tokens_reloaded", seen) == {
+            "event": "tokens_reloaded",
+            "tokens": 2,
+            "principals": 2,
+        }
+        assert (status(old), status(new)) == (401, 200), "the revoked token still works"
+        tokens.write_text("alice short\n")
+        seen = len(srv.lines)
+        srv.proc.send_signal(signal.SIGHUP)
+        failed = _event(srv, "tokens_reload_failed", seen)
+        assert "at least 16" in failed["error"] and failed["kept"] == 2
+        assert (status(old), status(new)) == (401, 200)
+        assert srv.proc.poll() is None  # a bad file never stops the server
 
 
 # -- the operator's clear over HTTP -------------------------------------------------------------

@@ -37,10 +37,12 @@ no one a power the server's tools do not.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import ipaddress
 import json
 import re
+import signal
 import socket
 import stat
 import sys
@@ -99,14 +101,18 @@ class Principals:
     SHA-256>``; blank lines and ``#`` comments are skipped. A principal may have several
     tokens (rotation); a token names exactly one principal."""
 
-    __slots__ = ("_by_digest", "plain")
+    __slots__ = ("_by_digest", "plain", "source")
 
-    def __init__(self, by_digest: dict[str, str], *, plain: bool = False) -> None:
+    def __init__(
+        self, by_digest: dict[str, str], *, plain: bool = False, source: Path | None = None
+    ) -> None:
         if not by_digest:
             raise ValueError("no tokens: a tokens file needs at least one 'principal token' line")
         self._by_digest = dict(by_digest)
         #: whether any token was given in clear (the file is then a secret itself)
         self.plain = plain
+        #: the file they were read from, read again by :meth:`reload`
+        self.source = source
 
     def __repr__(self) -> str:
         return f"Principals(<{len(self._by_digest)} tokens hidden>)"
@@ -159,6 +165,7 @@ class Principals:
         except OSError as exc:
             raise ValueError(f"cannot read the tokens file {str(path)!r}: {exc.strerror}") from exc
         principals = cls.parse(text, source=str(path))
+        principals.source = path
         if principals.plain and mode & (stat.S_IRWXG | stat.S_IRWXO):
             print(
                 f"effectfence serve: warning: {path} holds plain tokens and is readable by "
@@ -166,6 +173,29 @@ class Principals:
                 file=sys.stderr,
             )
         return principals
+
+    def reload(self) -> dict[str, Any]:
+        """Read the tokens file again (``serve --http`` does on SIGHUP), so an operator
+        rotates or revokes a token without a restart. All or nothing: a file that does not
+        parse leaves the tokens as they were, and the answer says so (the server logs it:
+        a revocation that did not happen must not go unnoticed)."""
+        if self.source is None:
+            return {"event": "tokens_reload_failed", "error": "not read from a file"}
+        try:
+            fresh = Principals.load(self.source)
+        except ValueError as exc:
+            return {
+                "event": "tokens_reload_failed",
+                "error": str(exc),
+                "kept": len(self._by_digest),
+                "note": "the tokens in force are unchanged; fix the file and send SIGHUP again",
+            }
+        self._by_digest, self.plain = fresh._by_digest, fresh.plain  # one swap: no mix
+        return {
+            "event": "tokens_reloaded",
+            "tokens": len(self._by_digest),
+            "principals": len(self.names),
+        }
 
     def authenticate(self, authorization: str | None) -> str | None:
         """The principal an ``Authorization`` header value names, or None."""
@@ -563,8 +593,27 @@ async def serve_http(
         from effectfence.operator.console import Sampler
 
         sampler = Sampler(console).start()
+    reloads = principals is not None and principals.source is not None and _on_hangup(principals)
     try:
         await uvicorn.Server(config).serve(sockets=[sock])
     finally:
+        if reloads:
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
         if sampler is not None:
             sampler.stop()
+
+
+def _on_hangup(principals: Principals) -> bool:
+    """SIGHUP reads the tokens file again; each reload says on stderr what it did."""
+    hangup = getattr(signal, "SIGHUP", None)
+    if hangup is None:  # Windows: restart to change tokens
+        return False
+
+    def reload() -> None:
+        print(json.dumps(principals.reload()), file=sys.stderr, flush=True)
+
+    try:
+        asyncio.get_running_loop().add_signal_handler(hangup, reload)
+    except (NotImplementedError, RuntimeError, ValueError):
+        return False
+    return True

@@ -968,7 +968,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="FILE",
         help="HTTP bearer tokens, one 'principal token' (or 'principal sha256:HEX') a line; "
         "every request must carry one, and the principal is the certificates' agent. "
-        "Required to bind a non-loopback address.",
+        "Required to bind a non-loopback address. SIGHUP reads the file again.",
     )
     parser.add_argument(
         "--allow-host",
