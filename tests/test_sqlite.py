@@ -17,6 +17,8 @@ import stat
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -402,6 +404,95 @@ def test_closed_store_is_unavailable(tmp_path: Path) -> None:
     store.close()
     with pytest.raises(StoreUnavailable):
         store.get("x")
+
+
+# -- group commit: steps that wait for the write lock commit together --------------------------
+
+
+def _queue_behind_the_lock(store: SQLiteStore, calls: list[Callable[[], Any]]) -> list[Any]:
+    """Run ``calls`` in threads while this thread holds the store's write lock, release it
+    once every one of them has queued its step, and return what each returned or raised."""
+    out: list[Any] = [None] * len(calls)
+
+    def run(i: int) -> None:
+        try:
+            out[i] = calls[i]()
+        except BaseException as exc:
+            out[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    with store._writer:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while len(store._queue) < len(calls):  # every step waits for the next transaction
+            assert time.monotonic() < deadline, "the steps did not queue"
+            time.sleep(0.005)
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def test_waiting_steps_commit_in_one_transaction_and_a_failing_one_alone_rolls_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = SQLiteStore(str(tmp_path / "group.db"))
+    fence = EffectFence(store=store)
+    batches: list[int] = []
+    commit_steps = store._commit_steps
+
+    def counted(steps: list[Any], mine: Any) -> None:
+        batches.append(len(steps))
+        commit_steps(steps, mine)
+
+    monkeypatch.setattr(store, "_commit_steps", counted)
+
+    def failing(conn: sqlite3.Connection) -> None:
+        conn.execute("UPDATE fence SET floor = floor + 1000 WHERE id = 0")  # then raises
+        raise ValueError("this step fails after it wrote")
+
+    floor = store._query("floor", "SELECT floor FROM fence WHERE id = 0")[0][0]
+    calls: list[Callable[[], Any]] = [
+        lambda i=i: fence.prepare(req(f"charge:group:{i}", agent=f"a{i}")) for i in range(6)
+    ]
+    calls.insert(3, lambda: store._write("failing", failing))
+    out = _queue_behind_the_lock(store, calls)
+    try:
+        assert batches[:1] == [7], "the waiting steps did not share one transaction"
+        failed = out.pop(3)
+        assert isinstance(failed, ValueError)
+        assert all(getattr(a, "fresh", False) for a in out), out
+        assert store._query("floor", "SELECT floor FROM fence WHERE id = 0")[0][0] == floor
+        tokens = sorted(a.ticket.token for a in out)
+        assert len(set(tokens)) == 6  # each claim ran after the one before, in order
+        for i, adm in enumerate(out):
+            assert fence.commit(adm.ticket, i).hash
+    finally:
+        store.close()
+
+
+def test_a_transaction_that_fails_applies_none_of_its_steps(tmp_path: Path) -> None:
+    """One step breaking the transaction itself (an SQLite error: its state is unknown)
+    rolls all of them back: each caller is told store_unavailable, nothing decided, and
+    indeed nothing was: every intent is still free."""
+    store = SQLiteStore(str(tmp_path / "group.db"))
+    fence = EffectFence(store=store)
+
+    def broken(conn: sqlite3.Connection) -> None:
+        conn.execute("INSERT INTO no_such_table VALUES (1)")
+
+    calls: list[Callable[[], Any]] = [
+        lambda i=i: fence.prepare(req(f"charge:none:{i}", agent=f"a{i}")) for i in range(4)
+    ]
+    calls.append(lambda: store._write("broken", broken))
+    out = _queue_behind_the_lock(store, calls)
+    try:
+        assert all(isinstance(a, StoreUnavailable) for a in out), out
+        for i in range(4):
+            assert store.get(f"charge:none:{i}") is None
+            assert fence.prepare(req(f"charge:none:{i}", agent="retry")).fresh
+    finally:
+        store.close()
 
 
 # -- the read cache: a replay served again while the WAL-index header stands still ----------------

@@ -1,14 +1,16 @@
 """The SQLite store: one file shared by every process on a host, durable across restarts.
 
 It decides nothing (the rules are in :mod:`effectfence.protocol`); each step of
-:mod:`effectfence.store.base` is ONE ``BEGIN IMMEDIATE`` transaction whose conditions are the
-plain comparisons the decider chose, so a process killed at any instant leaves either the
-whole step or none of it.
+:mod:`effectfence.store.base` runs whole inside ONE ``BEGIN IMMEDIATE`` transaction (alone, or
+with the steps that waited for the lock with it, each in its own savepoint) whose conditions
+are the plain comparisons the decider chose, so a process killed at any instant leaves either
+the whole step or none of it.
 
 Design
 ------
 - WAL, so readers (replays) never wait for the writer, and ``BEGIN IMMEDIATE`` for every
-  write step: it takes the write lock up front, where ``busy_timeout`` waits for it. A
+  write step (steps that wait for it together share one: see :meth:`SQLiteStore._write`):
+  it takes the write lock up front, where ``busy_timeout`` waits for it. A
   deferred transaction that reads and then writes fails with "database is locked" when
   another writer got there first, and no timeout helps (issue #12 measured ~108k such
   errors with four processes).
@@ -149,6 +151,18 @@ def _shm_fd(path: str) -> int:
             raise FileNotFoundError(shm)
         _SHM_FDS[path] = fd
         return fd
+
+
+class _Step:
+    """One caller's write step, run by whichever caller leads the next transaction."""
+
+    __slots__ = ("args", "body", "done", "error", "op", "out")
+
+    def __init__(self, op: str, body: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        self.op, self.body, self.args = op, body, args
+        self.out: Any = None
+        self.error: BaseException | None = None
+        self.done = False
 
 
 def _reset_writers_after_fork() -> None:
@@ -303,6 +317,8 @@ class SQLiteStore(FenceStore):
         self._key: bytes | None = None
         self._key_lock = _fork.lock()
         self._writer = _writer_lock(self.path)
+        self._queue: list[_Step] = []  # steps waiting for the next transaction
+        self._queue_lock = _fork.lock()
         if not os.path.exists(self.path):
             # the file holds the ticket sealing key: readable by its owner only
             try:
@@ -398,6 +414,7 @@ class SQLiteStore(FenceStore):
                 return
             _fork.abandon(*self._all)  # never closed: that could delete the WAL
             self._all, self._free = [], []
+            self._queue = []  # the parent's threads' steps: theirs to run, never ours
             # the parent's keeper holds no lock for us: open our own before reading -shm
             self._keeper, self._shm, self._reads = None, None, {}
             self._fork = _fork.generation()
@@ -418,28 +435,75 @@ class SQLiteStore(FenceStore):
             conn.close()
 
     def _write(self, op: str, body: Callable[..., Any], *args: Any) -> Any:
-        """Run ``body(conn, *args)`` as one IMMEDIATE transaction: all of it or none."""
+        """Run ``body(conn, *args)`` atomically, durable before it returns: all or none.
+
+        Group commit: a step asked for while another holds the write lock waits for it,
+        and the next caller to get the lock runs every waiting step of this store in ONE
+        ``BEGIN IMMEDIATE`` transaction, each in a savepoint of its own (a step that raises
+        is rolled back alone), and commits them with one fsync. Each step still runs whole
+        under the write lock, one after another, so it decides exactly as it would alone;
+        its caller hears back only after the commit. A transaction that fails applies none
+        of its steps: each is ``store_unavailable``, nothing decided."""
+        if self._fork != _fork.generation():
+            self._forked()  # before queueing: a child never runs its parent's steps
+        step = _Step(op, body, args)
+        with self._queue_lock:
+            self._queue.append(step)
+        with self._writer:
+            if not step.done:  # no transaction took it yet: this caller leads the next
+                with self._queue_lock:
+                    steps, self._queue = self._queue, []
+                self._commit_steps(steps, step)
+        if step.error is not None:
+            raise step.error
+        return step.out
+
+    def _commit_steps(self, steps: list[_Step], mine: _Step) -> None:
+        """Under the write lock: ``steps`` in one transaction (see :meth:`_write`)."""
         try:
             conn = self._acquire()
         except sqlite3.Error as exc:
-            raise self._unavailable(op, exc) from exc
+            for s in steps:
+                s.error, s.done = self._unavailable(s.op, exc), True
+            return
         try:
-            with self._writer:
-                conn.execute("BEGIN IMMEDIATE")
+            conn.execute("BEGIN IMMEDIATE")
+            if len(steps) == 1:  # alone: no savepoint to pay for
                 try:
-                    out = body(conn, *args)
-                except BaseException:
-                    conn.execute("ROLLBACK")
+                    mine.out = mine.body(conn, *mine.args)
+                except sqlite3.Error:
                     raise
+                except BaseException as exc:
+                    conn.execute("ROLLBACK")
+                    mine.error = exc
+            else:
+                for s in steps:
+                    conn.execute("SAVEPOINT step")
+                    try:
+                        s.out = s.body(conn, *s.args)
+                    except sqlite3.Error:
+                        raise  # the transaction's state is unknown: none of it commits
+                    except Exception as exc:
+                        conn.execute("ROLLBACK TO step")
+                        s.out, s.error = None, exc
+                    conn.execute("RELEASE step")
+            if conn.in_transaction:
                 conn.execute("COMMIT")
         except sqlite3.Error as exc:
             self._discard(conn)
-            raise self._unavailable(op, exc) from exc
-        except BaseException:
+            for s in steps:
+                if s.error is None:  # an error of its own stands: rolled back either way
+                    s.out, s.error = None, self._unavailable(s.op, exc)
+        except BaseException as exc:  # the leader interrupted: no step of this batch applied
             self._discard(conn)
-            raise
-        self._free.append(conn)
-        return out
+            for s in steps:
+                s.out = None
+                s.error = exc if s is mine else self._unavailable(s.op, exc)
+        else:
+            self._free.append(conn)
+        finally:
+            for s in steps:
+                s.done = True
 
     def _discard(self, conn: sqlite3.Connection) -> None:
         try:
