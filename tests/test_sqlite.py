@@ -565,6 +565,7 @@ def test_a_torn_or_missing_wal_header_means_the_statement_runs(tmp_path: Path) -
             try:
                 assert store._wal_header() is None, header
                 assert store.read("charge:1")[0] is None  # read by the statement, unharmed
+                assert store._reads["charge:1"][0] != header, "kept under a torn header"
             finally:
                 os.close(fd)
     finally:

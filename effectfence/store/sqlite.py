@@ -153,6 +153,13 @@ def _shm_fd(path: str) -> int:
         return fd
 
 
+def _whole(header: bytes) -> bool:
+    """A WAL-index header read whole: both copies, initialised (not short, not torn by a
+    writer between its two copies)."""
+    half = _WAL_HEADER // 2
+    return len(header) == _WAL_HEADER and header[12] == 1 and header[:half] == header[half:]
+
+
 class _Step:
     """One caller's write step, run by whichever caller leads the next transaction."""
 
@@ -730,11 +737,13 @@ class SQLiteStore(FenceStore):
         leases and TTLs lapse on a kept record exactly as on a read one. (Were the check
         ever wrong, the harm is bounded: a decision to run goes through a write step that
         re-reads under the write lock; only a read-only answer could be stale.)"""
-        header = self._wal_header()
+        header = self._raw_header()
         if header is not None:
             kept = self._reads.get(intent)
-            if kept is not None and kept[0] == header:
+            if kept is not None and kept[0] == header:  # equal to one judged whole: whole
                 return kept[3], self._now_from(kept[1], kept[2])
+            if not _whole(header):
+                header = None
         (row,) = self._query(
             "read",
             f"SELECT f.clock_offset, f.clock_last, {_ICOLS} FROM fence f "
@@ -756,6 +765,11 @@ class SQLiteStore(FenceStore):
         the commit counter, last frame and salts of the WAL, rewritten by every commit.
         None when it cannot be read whole and consistent (a writer is between its two
         copies, or there is no ``-shm`` file to read): then the statement runs."""
+        header = self._raw_header()
+        return header if header is not None and _whole(header) else None
+
+    def _raw_header(self) -> bytes | None:
+        """The header's bytes as read, torn or not (see :func:`_whole`)."""
         if self._fork != _fork.generation():
             return None  # the statement's _acquire moves a forked child onto its own first
         fd = self._shm
@@ -764,13 +778,9 @@ class SQLiteStore(FenceStore):
         if fd < 0:
             return None
         try:
-            header = os.pread(fd, _WAL_HEADER, 0)
+            return os.pread(fd, _WAL_HEADER, 0)
         except OSError:
             return None
-        half = _WAL_HEADER // 2
-        if len(header) != _WAL_HEADER or header[12] != 1 or header[:half] != header[half:]:
-            return None  # short, not initialised, or mid-update
-        return header
 
     def _open_shm(self) -> int:
         """Open the ``-shm`` file for reading, behind a connection of our own kept open.
