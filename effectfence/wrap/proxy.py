@@ -79,10 +79,11 @@ LINE_LIMIT = 1 << 26  # 64 MiB: a resource read can be large; one line is one me
 MAX_RESULT_BYTES = 16 << 20
 CHILD_EXIT_GRACE = 5.0  # s the child gets to exit after its stdin closes, then SIGTERM
 RESTART_WINDOW, RESTART_LIMIT = 30.0, 5  # more starts than this in the window: give up
-#: worker threads for fence steps on a durable store (the Proxy's Offloader). Its writes
-#: serialize on the store's lock anyway: a few warm threads beat a pool of cpu+4 contending
-#: for it (measured: ~1.7x calls/s at 8 callers on SQLite)
-FENCE_THREADS = 2
+#: worker threads for fence steps on a durable store (the Proxy's Offloader). A few warm
+#: threads beat a pool of cpu+4 contending for the GIL (~1.7x calls/s at 8 callers on
+#: SQLite); since SQLite commits the steps that wait together (group commit), 4 beat 2 by
+#: ~10-17% there (bench_wrap.py --rounds 2, alternated 2/4/2/4: 618/723/693/792 calls/s)
+FENCE_THREADS = 4
 DRAIN_TIMEOUT = 60.0  # s fenced calls get to finish after the client hangs up
 
 _OWN_TOOLS = ("status", "stats", "clear")
