@@ -797,6 +797,35 @@ def test_redis_opens_with_noeviction_and_reports_the_memory_settings(
     store.close()
 
 
+def test_redis_refuses_claims_once_the_server_is_switched_to_an_evicting_policy(
+    private_redis: Callable[..., str],
+) -> None:
+    """Settings can change under an open store (CONFIG SET): within eviction_recheck the
+    store sees it and refuses new claims until the server is switched back; what is stored
+    is still answered."""
+    from effectfence.store.redis import RedisStore
+
+    url = private_redis("--maxmemory", "100mb", "--maxmemory-policy", "noeviction")
+    admin = _admin(url)
+    store = RedisStore.from_url(url)
+    store.eviction_recheck = 0.0  # every claim reads the settings again
+    fence = EffectFence(store=store)
+    try:
+        done = fence.commit(fence.prepare(req("charge:before")).ticket, "r")
+        admin.config_set("maxmemory-policy", "allkeys-lru")
+        with pytest.raises(StoreUnavailable, match="allkeys-lru") as refused:
+            fence.prepare(req("charge:after"))
+        assert "noeviction" in refused.value.recover and refused.value.retryable
+        assert store.get("charge:after") is None  # nothing was claimed
+        assert store.get("charge:before").cert.hash == done.hash  # type: ignore[union-attr]
+        assert store.durability()["maxmemory_policy"] == "allkeys-lru"
+        admin.config_set("maxmemory-policy", "noeviction")
+        assert fence.prepare(req("charge:after")).fresh
+    finally:
+        store.close()
+        admin.close()
+
+
 def test_redis_reads_eviction_settings_from_info_and_fails_closed_when_unreadable(
     private_redis: Callable[..., str],
 ) -> None:

@@ -63,6 +63,7 @@ import math
 import re
 import secrets
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -103,6 +104,9 @@ __all__ = ["DEFAULT_PREFIX", "SCHEMA_VERSION", "RedisStore"]
 SCHEMA_VERSION = 1
 DEFAULT_PREFIX = "effectfence"
 DEFAULT_TIMEOUT = 10.0
+#: seconds between re-reads of the server's eviction settings, which an operator can change
+#: at runtime (CONFIG SET): a claim in the meantime goes on what was read last
+EVICTION_RECHECK = 30.0
 _CERT_CACHE = 4096
 _PREFIX_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _STATES = {s.value: s for s in State}
@@ -651,6 +655,10 @@ class RedisStore(FenceStore):
         self._waiters = Waiters()
         self._listener: threading.Thread | None = None
         self._listener_lock = _fork.lock()
+        self.eviction_recheck = EVICTION_RECHECK
+        self._checked_at = time.monotonic()  # when the eviction settings were read
+        self._recheck_lock = _fork.lock()
+        self._evicting: str | None = None  # why claims are refused, while eviction is on
         try:
             # settings first: a server the store refuses gets nothing written
             self._durability = self._read_persistence()
@@ -805,13 +813,30 @@ class RedisStore(FenceStore):
             "eviction_allowed": self.allow_eviction,
         }
 
-    def _refuse_eviction(self) -> None:
-        """Fail closed where Redis may evict the fence's keys: an evicted record admits a
-        second caller, an evicted token counter restarts tokens under a stale holder. With
-        allow_eviction the store opens, and the verdict says so first."""
-        d = self._durability
-        if d["eviction"] == "off":
+    def _recheck_eviction(self) -> None:
+        """Before a claim, at most every ``eviction_recheck`` s: read the eviction settings
+        again. A server switched to an evicting policy after the store opened refuses new
+        claims (``store_unavailable``) until it is switched back; replays, commits and the
+        rest go on, since what is stored is still right (only a new admission relies on
+        nothing being evicted later). The read costs one round trip per interval."""
+        if time.monotonic() - self._checked_at < self.eviction_recheck:
             return
+        with self._recheck_lock:
+            if time.monotonic() - self._checked_at < self.eviction_recheck:
+                return
+            try:
+                fresh = self._read_eviction()
+            except (*_LOST, redis.exceptions.ResponseError) as exc:
+                raise self._unavailable("claim", exc) from exc
+            self._checked_at = time.monotonic()
+            self._durability.update(fresh)
+            why = self._eviction_risk(self._durability)
+            self._evicting = None if why is None or self.allow_eviction else why
+
+    def _eviction_risk(self, d: Mapping[str, Any]) -> str | None:
+        """Why these settings may evict the fence's keys, or None when they cannot."""
+        if d["eviction"] == "off":
+            return None
         if d["eviction"] == "possible":
             why = (
                 f"maxmemory {d['maxmemory']} with maxmemory-policy {d['maxmemory_policy']}: "
@@ -819,10 +844,19 @@ class RedisStore(FenceStore):
             )
         else:
             why = f"maxmemory and maxmemory-policy are {d['memory_source']}: Redis may evict"
-        why += (
+        return why + (
             " the fence's records and counters, and an evicted record or token counter lets an "
             "effect run twice"
         )
+
+    def _refuse_eviction(self) -> None:
+        """Fail closed where Redis may evict the fence's keys: an evicted record admits a
+        second caller, an evicted token counter restarts tokens under a stale holder. With
+        allow_eviction the store opens, and the verdict says so first."""
+        d = self._durability
+        why = self._eviction_risk(d)
+        if why is None:
+            return
         if self.allow_eviction:
             d["verdict"] = (
                 f"EVICTION {d['eviction'].upper()} (opened with allow_eviction): {why}; not "
@@ -1057,6 +1091,20 @@ class RedisStore(FenceStore):
         compare: Sequence[tuple[str, int]],
         reserve_at: int | None,
     ) -> Step:
+        self._recheck_eviction()
+        if self._evicting is not None:
+            settings = self._durability
+            raise StoreUnavailable(
+                f"can't claim {intent!r} on the Redis store at {_redact(self._url)}: since it "
+                f"was opened, the server's settings changed: {self._evicting}. Nothing was "
+                "decided. Set maxmemory-policy noeviction (or maxmemory 0) on the server",
+                operation="claim",
+                recover="set maxmemory-policy noeviction (or maxmemory 0) on the Redis server, "
+                "then retry",
+                setting="maxmemory-policy",
+                maxmemory=settings["maxmemory"],
+                maxmemory_policy=settings["maxmemory_policy"],
+            )
         args: list[Any] = [self._t(), intent]
         if expect is None:
             args += ["0", "0", "", "0", "0"]
