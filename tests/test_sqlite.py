@@ -495,6 +495,41 @@ def test_a_transaction_that_fails_applies_none_of_its_steps(tmp_path: Path) -> N
         store.close()
 
 
+def test_a_step_interrupted_while_it_waits_never_runs_later(tmp_path: Path) -> None:
+    """Ctrl-C while a step waits for the write lock: its caller is gone, so the step must
+    not run in the next caller's transaction (a claim nobody holds would sit in flight)."""
+    import signal
+
+    store = SQLiteStore(str(tmp_path / "group.db"))
+    ran: list[bool] = []
+    main = threading.get_ident()
+    queued, interrupted = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with store._writer:
+            deadline = time.monotonic() + 30
+            while not store._queue and time.monotonic() < deadline:
+                time.sleep(0.005)
+            queued.set()
+            signal.pthread_kill(main, signal.SIGINT)
+            interrupted.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            store._write("interrupted", lambda conn: ran.append(True))
+    finally:
+        interrupted.set()
+        holder.join(30)
+    try:
+        assert queued.is_set() and store._queue == []
+        assert store._write("next", lambda conn: 1) == 1
+        assert ran == [], "the interrupted step ran in another caller's transaction"
+    finally:
+        store.close()
+
+
 # -- the read cache: a replay served again while the WAL-index header stands still ----------------
 
 

@@ -454,13 +454,20 @@ class SQLiteStore(FenceStore):
         if self._fork != _fork.generation():
             self._forked()  # before queueing: a child never runs its parent's steps
         step = _Step(op, body, args)
-        with self._queue_lock:
-            self._queue.append(step)
-        with self._writer:
-            if not step.done:  # no transaction took it yet: this caller leads the next
-                with self._queue_lock:
-                    steps, self._queue = self._queue, []
-                self._commit_steps(steps, step)
+        try:
+            with self._queue_lock:
+                self._queue.append(step)
+            with self._writer:
+                if not step.done:  # no transaction took it yet: this caller leads the next
+                    with self._queue_lock:
+                        steps, self._queue = self._queue, []
+                    self._commit_steps(steps, step)
+        except BaseException:
+            # interrupted while it waited (KeyboardInterrupt): a step nobody waits for must
+            # not run later in another caller's transaction
+            with self._queue_lock, contextlib.suppress(ValueError):
+                self._queue.remove(step)
+            raise
         if step.error is not None:
             raise step.error
         return step.out
