@@ -38,6 +38,7 @@ from effectfence.model import PreparedEffect
 from effectfence.protocol import State
 from effectfence.store import default_store_url, open_store
 from effectfence.store._waiters import Waiters
+from effectfence.store.base import APPLIED
 from effectfence.store.sqlite import SCHEMA_VERSION, SQLiteStore, StoreSchemaError
 
 WORKER = str(Path(__file__).with_name("sqlite_worker.py"))
@@ -530,6 +531,87 @@ def test_a_step_interrupted_while_it_waits_never_runs_later(tmp_path: Path) -> N
         store.close()
 
 
+def _claim(store: SQLiteStore, intent: str) -> Any:
+    return store.claim(
+        intent,
+        expect=None,
+        fingerprint=b"fp",
+        domain=f"d:{intent}",
+        agent="a",
+        lease_ttl=30.0,
+        reclaim_after=300.0,
+        compare=(),
+        reserve_at=None,
+    )
+
+
+class _InterruptedAfterCommit:
+    """A connection whose COMMIT commits, then raises as a signal arriving during its fsync
+    would (once): the leader's thread is interrupted, its batch did commit."""
+
+    fired = False
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+
+    @property
+    def in_transaction(self) -> bool:
+        return self.conn.in_transaction
+
+    def execute(self, sql: str, *args: Any) -> Any:
+        out = self.conn.execute(sql, *args)
+        if sql == "COMMIT" and not _InterruptedAfterCommit.fired:
+            _InterruptedAfterCommit.fired = True
+            raise KeyboardInterrupt("a signal during COMMIT's fsync")
+        return out
+
+
+def test_an_interrupt_as_the_batch_commits_leaves_every_answer_as_it_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = SQLiteStore(str(tmp_path / "group.db"))
+    acquire = store._acquire
+    monkeypatch.setattr(store, "_acquire", lambda: _InterruptedAfterCommit(acquire()))
+    claims: list[Callable[[], Any]] = [lambda i=i: _claim(store, f"charge:{i}") for i in range(3)]
+    out = _queue_behind_the_lock(store, claims)
+    try:
+        interrupted = [o for o in out if isinstance(o, KeyboardInterrupt)]
+        applied = [o for o in out if getattr(o, "outcome", None) is APPLIED]
+        assert len(interrupted) == 1 and len(applied) == 2, out  # none told "nothing decided"
+        for i in range(3):  # all three committed
+            assert store.get(f"charge:{i}").state is State.IN_FLIGHT  # type: ignore[union-attr]
+    finally:
+        store.close()
+
+
+def test_a_leader_that_cannot_get_a_connection_fails_every_step_typed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not an SQLite error (an interrupt while connecting, a store closed meanwhile): the
+    steps it took are still answered, store_unavailable, never None, and none runs later."""
+    store = SQLiteStore(str(tmp_path / "group.db"))
+    acquire, failed = store._acquire, []
+
+    def once() -> sqlite3.Connection:
+        if not failed:
+            failed.append(True)
+            raise KeyboardInterrupt("while the leader opened a connection")
+        return acquire()
+
+    monkeypatch.setattr(store, "_acquire", once)
+    claims: list[Callable[[], Any]] = [lambda i=i: _claim(store, f"charge:{i}") for i in range(3)]
+    out = _queue_behind_the_lock(store, claims)
+    try:
+        assert sum(isinstance(o, KeyboardInterrupt) for o in out) == 1, out
+        assert sum(isinstance(o, StoreUnavailable) for o in out) == 2, out
+        assert store._queue == []
+        for i in range(3):
+            assert store.get(f"charge:{i}") is None
+            assert _claim(store, f"charge:{i}").outcome is APPLIED
+    finally:
+        store.close()
+
+
 # -- the read cache: a replay served again while the WAL-index header stands still ----------------
 
 
@@ -585,6 +667,28 @@ def test_a_kept_read_keeps_the_record_never_the_time(tmp_path: Path) -> None:
         store.close()
 
 
+def test_a_store_opened_through_a_symlink_reads_the_header_sqlite_writes(tmp_path: Path) -> None:
+    """SQLite follows the link: its -shm is the target's. A leftover -shm under the link's
+    name (a file moved and linked after a crash) never changes; read, every kept read
+    would be served forever."""
+    import shutil
+
+    real, link = str(tmp_path / "real.db"), str(tmp_path / "link.db")
+    first = SQLiteStore(real)
+    first.read("charge:x")
+    shutil.copy(real + "-shm", link + "-shm")
+    first.close()
+    os.symlink(real, link)
+    store = SQLiteStore(link)
+    try:
+        assert store.read("charge:x")[0] is None
+        assert run("commit_one", url=f"sqlite:///{real}", intent="charge:x")["fresh"] is True
+        rec = store.read("charge:x")[0]
+        assert rec is not None and rec.state is State.DONE, "a stale -shm was read"
+    finally:
+        store.close()
+
+
 def test_a_torn_or_missing_wal_header_means_the_statement_runs(tmp_path: Path) -> None:
     store = SQLiteStore(str(tmp_path / "t.db"))
     store.read("charge:1")
@@ -608,83 +712,77 @@ def test_a_torn_or_missing_wal_header_means_the_statement_runs(tmp_path: Path) -
         store.close()
 
 
-def _forked_child_reads(store: SQLiteStore, go: Any, out: Any) -> None:
-    go.recv()  # the parent has closed its store and another process committed
-    rec = store.read("charge:forked")[0]
-    out.send(None if rec is None else rec.state.value)
-
-
-def test_a_forked_child_does_not_trust_its_parents_kept_reads(tmp_path: Path) -> None:
-    """The parent's ``-shm`` descriptor outlives the file when the parent closes the last
-    connection (SQLite deletes it then): its header stands still forever, and every kept
-    read would look current. A forked child reads by statement until it has its own."""
-    import multiprocessing
-
-    path = str(tmp_path / "fork.db")
-    store = SQLiteStore(path)
-    EffectFence(store=store).commit(EffectFence(store=store).prepare(req("charge:p")).ticket, "r")
-    assert store.read("charge:forked")[0] is None  # kept in the parent's cache
-    ctx = multiprocessing.get_context("fork")
-    go_child, go = ctx.Pipe()
-    mine, theirs = ctx.Pipe()
-    proc = ctx.Process(target=_forked_child_reads, args=(store, go_child, theirs))
-    proc.start()
-    store.close()
-    assert run("commit_one", url=f"sqlite:///{path}", intent="charge:forked")["fresh"] is True
-    go.send(True)
-    assert mine.poll(30), "the child did not answer"
-    assert mine.recv() == State.DONE.value, "the child replayed a read its parent kept"
-    proc.join(30)
-    assert proc.exitcode == 0
-
-
 # -- processes ------------------------------------------------------------------------------------
 
 
-def _forked_child_commits(fence: EffectFence, go: Any, out: Any) -> None:
-    go.recv()  # the parent has closed its store by now
-    adm = fence.prepare(req("charge:forked", agent="child"))
-    if adm.fresh:
-        fence.commit(adm.ticket, "by the child")
-    out.send(adm.fresh)
+def _forked_child(store: SQLiteStore, fresh_path: str, closed_path: str, out: Any) -> None:
+    """What a forked child may and may not do with SQLite files: reported to the parent."""
+    seen: dict[str, Any] = {}
+    for name, attempt in (
+        ("inherited read", lambda: store.read("charge:forked")),
+        ("inherited prepare", lambda: EffectFence(store=store).prepare(req("charge:forked"))),
+        ("new store, same file", lambda: SQLiteStore(store.path)),
+    ):
+        try:
+            attempt()
+            seen[name] = "allowed"
+        except StoreUnavailable as exc:
+            seen[name] = (exc.retryable, "forked" in exc.message, "spawn" in exc.recover)
+    for name, path in (("a file the parent never opened", fresh_path),
+                       ("a file the parent had closed", closed_path)):  # fmt: skip
+        other = SQLiteStore(path)
+        fence = EffectFence(store=other)
+        seen[name] = fence.commit(fence.prepare(req("charge:child")).ticket, "r").hash != ""
+        other.close()
+    out.send(seen)
 
 
-def test_a_forked_child_never_writes_through_its_parents_connections(tmp_path: Path) -> None:
-    """SQLite's locks are not inherited: through its parent's connection a forked child
-    holds none, and when the parent closes its store (the last user, to SQLite) the WAL is
-    checkpointed and deleted under the child. The child's commit would then land in a
-    deleted file, and another process would admit the same intent again (G1)."""
+def test_a_forked_child_is_refused_a_file_its_parent_had_open(tmp_path: Path) -> None:
+    """SQLite's table of open files and the locks it holds is per process; a forked child
+    inherits the table and none of the locks, so its connections to a file its parent had
+    open, new ones too, take no real lock. The parent's last close then deletes the WAL
+    under the child, and an intent the child admitted is admitted again elsewhere (G1; a
+    review reproduced exactly that). Such a file is refused in the child, typed, saying
+    what to do; other files, and one the parent had closed before the fork, work."""
     import multiprocessing
 
     path = str(tmp_path / "fork.db")
+    closed = str(tmp_path / "closed.db")
+    SQLiteStore(closed).close()
     store = SQLiteStore(path)
     fence = EffectFence(store=store)
-    fence.commit(fence.prepare(req("charge:parent")).ticket, "r")  # the pool holds a connection
+    fence.commit(fence.prepare(req("charge:parent")).ticket, "r")
+    assert store.read("charge:forked")[0] is None  # kept in the parent's read cache
     ctx = multiprocessing.get_context("fork")
-    go_child, go = ctx.Pipe()
     mine, theirs = ctx.Pipe()
-    proc = ctx.Process(target=_forked_child_commits, args=(fence, go_child, theirs))
+    proc = ctx.Process(target=_forked_child, args=(store, str(tmp_path / "new.db"), closed, theirs))
     proc.start()
-    store.close()
-    go.send(True)
-    assert mine.poll(30), "the child did not answer"
-    assert mine.recv() is True
-    proc.join(30)
-    assert proc.exitcode == 0
-    other = SQLiteStore(path)
     try:
-        again = EffectFence(store=other).prepare(req("charge:forked", agent="other"))
-        assert again.fresh is False, "the child's commit is not in the ledger: it would run twice"
-        assert again.cert.result == "by the child"
+        assert mine.poll(60), "the child did not answer"
+        seen = mine.recv()
     finally:
-        other.close()
+        proc.join(30)
+    refused = (False, True, True)  # not retryable, names the fork, says to spawn
+    assert seen == {
+        "inherited read": refused,
+        "inherited prepare": refused,
+        "new store, same file": refused,
+        "a file the parent never opened": True,
+        "a file the parent had closed": True,
+    }
+    assert proc.exitcode == 0
+    try:  # the parent's own store is untouched, and the child claimed nothing
+        assert fence.prepare(req("charge:forked", agent="parent")).fresh
+    finally:
+        store.close()
 
 
-def _in_the_forked_child(store: SQLiteStore, waiters: Waiters, out: Any) -> None:
+def _in_the_forked_child(waiters: Waiters, path: str, out: Any) -> None:
     waiters.wake("charge:held")
+    store = SQLiteStore(path)  # takes the module's locks: a parent's thread held them
     fence = EffectFence(store=store)
-    adm = fence.prepare(req("charge:held-at-fork", agent="child"))
-    fence.commit(adm.ticket, "r")
+    fence.commit(fence.prepare(req("charge:held-at-fork", agent="child")).ticket, "r")
+    store.close()
     out.send(True)
 
 
@@ -693,12 +791,13 @@ def test_locks_a_parents_thread_held_at_the_fork_are_free_in_the_child(tmp_path:
     waited for forever (the child's first step would hang, not fail)."""
     import multiprocessing
 
-    store = SQLiteStore(str(tmp_path / "held.db"))
+    from effectfence.store import sqlite as sqlite_store
+
     waiters = Waiters()
     held, release = threading.Event(), threading.Event()
 
     def hold() -> None:
-        with store._all_lock, waiters._lock:
+        with sqlite_store._WRITERS_LOCK, sqlite_store._SHM_LOCK, waiters._lock:
             held.set()
             release.wait(60)
 
@@ -707,7 +806,7 @@ def test_locks_a_parents_thread_held_at_the_fork_are_free_in_the_child(tmp_path:
     assert held.wait(10)
     ctx = multiprocessing.get_context("fork")
     mine, theirs = ctx.Pipe()
-    proc = ctx.Process(target=_in_the_forked_child, args=(store, waiters, theirs))
+    proc = ctx.Process(target=_in_the_forked_child, args=(waiters, str(tmp_path / "c.db"), theirs))
     try:
         proc.start()
         done = mine.poll(30)
@@ -717,7 +816,6 @@ def test_locks_a_parents_thread_held_at_the_fork_are_free_in_the_child(tmp_path:
         if proc.is_alive():
             proc.kill()
         proc.join(10)
-        store.close()
     assert done and mine.recv() is True, "the child hung on a lock its parent's thread held"
 
 

@@ -4,7 +4,9 @@ A store's connections belong to the process that opened them: a forked child tha
 them would share a socket with its parent (PostgreSQL: two processes' messages interleaved
 on one session) or hold none of SQLite's locks (POSIX locks are not inherited). Stores
 compare :func:`generation` with the value they were opened at and, when it moved, open
-their own connections. The inherited ones go to :func:`abandon`: never used again and
+their own connections (PostgreSQL, Redis) or refuse (SQLite, whose per-process table of
+open files a child inherits without the locks, so even its new connections to a file the
+parent had open hold none). The inherited ones go to :func:`abandon`: never used again and
 never closed, since closing them in the child would act on the parent's session or file.
 """
 

@@ -172,12 +172,29 @@ class _Step:
         self.done = False
 
 
+#: SQLite keeps one table per process of the files it has open and of the locks it holds on
+#: them (POSIX locks belong to a process). A forked child inherits the table but none of the
+#: locks, so its connections to such a file, new ones too, take no real lock: the parent's
+#: last close deletes the WAL under the child, and another process admits an intent the
+#: child admitted (G1). So: our connections open, by file (real path), and the files the
+#: process this one was forked from had open, which this process must not use.
+_OPEN: dict[str, int] = {}
+_INHERITED: set[str] = set()
+
+
+def _opened(real: str, change: int) -> None:
+    with _WRITERS_LOCK:
+        _OPEN[real] = _OPEN.get(real, 0) + change
+
+
 def _reset_writers_after_fork() -> None:
     # a thread of the parent may have held one at fork: the child's copy would stay held
     _WRITERS_LOCK._at_fork_reinit()  # type: ignore[attr-defined]
     _SHM_LOCK._at_fork_reinit()  # type: ignore[attr-defined]
     for lock in _WRITERS.values():
         lock._at_fork_reinit()  # type: ignore[attr-defined]
+    _INHERITED.update(real for real, n in _OPEN.items() if n > 0)
+    _OPEN.clear()
 
 
 os.register_at_fork(after_in_child=_reset_writers_after_fork)
@@ -308,6 +325,7 @@ class SQLiteStore(FenceStore):
         if cert_retention is not None and not cert_retention >= 0:
             raise ValueError("cert_retention must be >= 0 seconds, or None to keep forever")
         self.path = os.path.abspath(path)
+        self._real = os.path.realpath(self.path)  # the name SQLite's -wal and -shm follow
         self.synchronous = sync
         self.busy_timeout = float(busy_timeout)
         self.cert_retention = math.inf if cert_retention is None else float(cert_retention)
@@ -383,10 +401,15 @@ class SQLiteStore(FenceStore):
             raise StoreUnavailable(f"the SQLite store {self.path} is closed", path=self.path)
         conn = self._open_conn()
         with self._all_lock:
-            self._all.append(conn)
-        return conn
+            if not self._closed:
+                self._all.append(conn)
+                return conn
+        self._close_conn(conn)  # close() ran meanwhile: it must not outlive the store
+        raise StoreUnavailable(f"the SQLite store {self.path} is closed", path=self.path)
 
     def _open_conn(self) -> sqlite3.Connection:
+        if self._real in _INHERITED:
+            raise self._inherited()
         conn = sqlite3.connect(
             self.path,
             timeout=self.busy_timeout,
@@ -399,7 +422,25 @@ class SQLiteStore(FenceStore):
         except BaseException:
             conn.close()
             raise
+        _opened(self._real, 1)
         return conn
+
+    def _close_conn(self, conn: sqlite3.Connection) -> None:
+        _opened(self._real, -1)
+        with contextlib.suppress(sqlite3.Error):
+            conn.close()
+
+    def _inherited(self) -> StoreUnavailable:
+        return StoreUnavailable(
+            f"the SQLite store {self.path} was open in the process this one was forked "
+            "from: SQLite takes no lock for a forked child on a file its parent had open, so "
+            "the fence could not hold here. Open the store only in processes started after "
+            "it was closed, or start them with multiprocessing's 'spawn' method",
+            path=self.path,
+            retryable=False,
+            recover="open the store in a process not forked from one that had it open "
+            "(e.g. multiprocessing's 'spawn' start method)",
+        )
 
     def _acquire(self) -> sqlite3.Connection:
         if self._fork != _fork.generation():
@@ -410,15 +451,17 @@ class SQLiteStore(FenceStore):
             return self._connect()
 
     def _forked(self) -> None:
-        """First use in a forked child: set the parent's connections aside and open our own.
-
-        Through an inherited connection the child holds none of SQLite's file locks, so the
-        parent closing its store (or exiting) checkpoints and deletes the WAL under it: the
-        child's claims and commits would land in a deleted file, invisible to every other
-        process, and an intent it admitted could be admitted again elsewhere (G1)."""
+        """First use in a forked child. If the parent had the file open, refused (see
+        :data:`_INHERITED`): the child holds none of SQLite's locks on it, through inherited
+        connections or new ones, so the parent closing its store (or exiting) checkpoints
+        and deletes the WAL under it, the child's claims and commits land in a deleted file,
+        and an intent it admitted is admitted again elsewhere (G1). Otherwise (the parent
+        had closed it) the parent's connections are set aside and the child opens its own."""
         with _fork.LOCK:
             if self._fork == _fork.generation():  # another thread of the child came first
                 return
+            if self._real in _INHERITED:  # the parent had it open: refused, every time
+                raise self._inherited()
             _fork.abandon(*self._all)  # never closed: that could delete the WAL
             self._all, self._free = [], []
             self._queue = []  # the parent's threads' steps: theirs to run, never ours
@@ -436,10 +479,10 @@ class SQLiteStore(FenceStore):
     def _drop(self, conn: sqlite3.Connection) -> None:
         """A connection whose transaction state is unknown is closed, never reused."""
         with self._all_lock:
-            if conn in self._all:
-                self._all.remove(conn)
-        with contextlib.suppress(sqlite3.Error):
-            conn.close()
+            if conn not in self._all:
+                return  # close() took it (and closes it)
+            self._all.remove(conn)
+        self._close_conn(conn)
 
     def _write(self, op: str, body: Callable[..., Any], *args: Any) -> Any:
         """Run ``body(conn, *args)`` atomically, durable before it returns: all or none.
@@ -468,28 +511,35 @@ class SQLiteStore(FenceStore):
             with self._queue_lock, contextlib.suppress(ValueError):
                 self._queue.remove(step)
             raise
+        if not step.done:  # cannot happen: its caller leads a batch holding it (fail closed)
+            raise StoreUnavailable(
+                f"the SQLite store {self.path} did not run {op}; nothing was decided",
+                path=self.path,
+                operation=op,
+            )
         if step.error is not None:
             raise step.error
         return step.out
 
     def _commit_steps(self, steps: list[_Step], mine: _Step) -> None:
-        """Under the write lock: ``steps`` in one transaction (see :meth:`_write`)."""
+        """Under the write lock: ``steps`` in one transaction (see :meth:`_write`). Every
+        step ends done, with its answer or an error: its own (a Python error in its body,
+        rolled back to its savepoint), ``store_unavailable`` when the transaction did not
+        commit, or, for the leader's own step alone, an interrupt the leader received."""
+        conn: sqlite3.Connection | None = None
+        committed = sent = False
         try:
             conn = self._acquire()
-        except sqlite3.Error as exc:
-            for s in steps:
-                s.error, s.done = self._unavailable(s.op, exc), True
-            return
-        try:
             conn.execute("BEGIN IMMEDIATE")
             if len(steps) == 1:  # alone: no savepoint to pay for
+                only = steps[0]
                 try:
-                    mine.out = mine.body(conn, *mine.args)
+                    only.out = only.body(conn, *only.args)
                 except sqlite3.Error:
                     raise
                 except BaseException as exc:
                     conn.execute("ROLLBACK")
-                    mine.error = exc
+                    only.error = exc
             else:
                 for s in steps:
                     conn.execute("SAVEPOINT step")
@@ -502,17 +552,25 @@ class SQLiteStore(FenceStore):
                         s.out, s.error = None, exc
                     conn.execute("RELEASE step")
             if conn.in_transaction:
+                sent = True
                 conn.execute("COMMIT")
-        except sqlite3.Error as exc:
-            self._discard(conn)
-            for s in steps:
-                if s.error is None:  # an error of its own stands: rolled back either way
-                    s.out, s.error = None, self._unavailable(s.op, exc)
-        except BaseException as exc:  # the leader interrupted: no step of this batch applied
-            self._discard(conn)
-            for s in steps:
-                s.out = None
-                s.error = exc if s is mine else self._unavailable(s.op, exc)
+            committed = True
+        except BaseException as exc:
+            interrupt = not isinstance(exc, Exception)
+            if interrupt and sent and conn is not None and not conn.in_transaction:
+                committed = True  # the signal was raised as COMMIT returned, having committed
+            if committed:  # every answer stands
+                assert conn is not None
+                self._free.append(conn)
+                mine.error = exc  # its step applied; its thread was interrupted all the same
+            else:
+                if conn is not None:
+                    self._discard(conn)
+                for s in steps:
+                    if s is mine and interrupt:
+                        s.out, s.error = None, exc
+                    elif s.error is None:  # an error of its own stands: rolled back anyway
+                        s.out, s.error = None, self._unavailable(s.op, exc)
         else:
             self._free.append(conn)
         finally:
@@ -810,7 +868,7 @@ class SQLiteStore(FenceStore):
                     keeper = self._keeper = self._open_conn()
                     self._all.append(keeper)
                 keeper.execute("SELECT 1 FROM fence WHERE id = 0").fetchall()  # maps the WAL
-                fd = _shm_fd(self.path)
+                fd = _shm_fd(self._real)
             except (OSError, sqlite3.Error):
                 return -1  # tried again on the next read
             self._shm = fd
@@ -1278,5 +1336,4 @@ class SQLiteStore(FenceStore):
             self._shm, self._keeper = -1, None  # the descriptor stays open: see _SHM_FDS
         self._free.clear()
         for conn in conns:
-            with contextlib.suppress(sqlite3.Error):
-                conn.close()
+            self._close_conn(conn)
