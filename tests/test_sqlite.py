@@ -612,6 +612,92 @@ def test_a_leader_that_cannot_get_a_connection_fails_every_step_typed(
         store.close()
 
 
+def test_an_interrupt_while_a_failed_batch_rolls_back_never_answers_applied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The leader's own step breaks the transaction (an SQLite error), then a signal lands
+    as it rolls back. The other steps' bodies had produced APPLIED answers: none may reach
+    its caller (nothing committed), and the connection must not stay in its transaction
+    holding the write lock."""
+    store = SQLiteStore(str(tmp_path / "group.db"), busy_timeout=0.2)
+    claim, discard = store._claim, store._discard
+
+    def breaking(conn: sqlite3.Connection, intent: str, *args: Any) -> Any:
+        if intent == "charge:leader":
+            raise sqlite3.OperationalError("disk I/O error")
+        return claim(conn, intent, *args)
+
+    def interrupted(conn: sqlite3.Connection) -> None:
+        raise KeyboardInterrupt("a second signal, before the ROLLBACK ran")
+
+    monkeypatch.setattr(store, "_claim", breaking)
+    monkeypatch.setattr(store, "_discard", interrupted)
+    out: dict[str, Any] = {}
+
+    def run(intent: str) -> None:
+        try:
+            out[intent] = _claim(store, intent)
+        except BaseException as exc:
+            out[intent] = exc
+
+    followers = [threading.Thread(target=run, args=(f"charge:{x}",)) for x in "ab"]
+    with store._writer:  # the two queue behind it; this thread then leads all three
+        for t in followers:
+            t.start()
+        deadline = time.monotonic() + 30
+        while len(store._queue) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        run("charge:leader")
+    for t in followers:
+        t.join(30)
+    monkeypatch.setattr(store, "_discard", discard)
+    try:
+        assert isinstance(out["charge:leader"], KeyboardInterrupt)
+        for x in "ab":
+            assert isinstance(out[f"charge:{x}"], StoreUnavailable), out  # never APPLIED
+            assert store.get(f"charge:{x}") is None
+        other = sqlite3.connect(store.path, timeout=0.2)
+        other.execute("BEGIN IMMEDIATE")  # the write lock was let go
+        other.execute("ROLLBACK")
+        other.close()
+        monkeypatch.setattr(store, "_claim", claim)
+        assert _claim(store, "charge:a").outcome is APPLIED
+    finally:
+        store.close()
+
+
+def _fork_reports_open(path: str, out: Any) -> None:
+    try:
+        SQLiteStore(path).close()
+        out.send("allowed")
+    except StoreUnavailable:
+        out.send("refused")
+
+
+def test_a_store_collected_without_close_does_not_make_later_forks_refuse(
+    tmp_path: Path,
+) -> None:
+    """Collected, its connections were closed with it: nothing is open for a child to
+    inherit, so a child may open the file (a master that checked the store, then forks)."""
+    import gc
+    import multiprocessing
+
+    path = str(tmp_path / "gc.db")
+    store = SQLiteStore(path)
+    store.read("charge:1")
+    del store
+    gc.collect()
+    ctx = multiprocessing.get_context("fork")
+    mine, theirs = ctx.Pipe()
+    proc = ctx.Process(target=_fork_reports_open, args=(path, theirs))
+    proc.start()
+    try:
+        assert mine.poll(30) and mine.recv() == "allowed"
+    finally:
+        proc.join(30)
+
+
 # -- the read cache: a replay served again while the WAL-index header stands still ----------------
 
 

@@ -54,6 +54,7 @@ import secrets
 import sqlite3
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 from urllib.parse import parse_qsl, unquote
@@ -176,15 +177,12 @@ class _Step:
 #: them (POSIX locks belong to a process). A forked child inherits the table but none of the
 #: locks, so its connections to such a file, new ones too, take no real lock: the parent's
 #: last close deletes the WAL under the child, and another process admits an intent the
-#: child admitted (G1). So: our connections open, by file (real path), and the files the
+#: child admitted (G1). So: every store of this process (each counts its connections, one
+#: too many rather than one too few: counted before opening, uncounted after closing; a
+#: store collected without close() had its connections closed with it), and the files the
 #: process this one was forked from had open, which this process must not use.
-_OPEN: dict[str, int] = {}
+_STORES: weakref.WeakSet[SQLiteStore] = weakref.WeakSet()
 _INHERITED: set[str] = set()
-
-
-def _opened(real: str, change: int) -> None:
-    with _WRITERS_LOCK:
-        _OPEN[real] = _OPEN.get(real, 0) + change
 
 
 def _reset_writers_after_fork() -> None:
@@ -193,8 +191,7 @@ def _reset_writers_after_fork() -> None:
     _SHM_LOCK._at_fork_reinit()  # type: ignore[attr-defined]
     for lock in _WRITERS.values():
         lock._at_fork_reinit()  # type: ignore[attr-defined]
-    _INHERITED.update(real for real, n in _OPEN.items() if n > 0)
-    _OPEN.clear()
+    _INHERITED.update(store._real for store in list(_STORES) if store._live)
 
 
 os.register_at_fork(after_in_child=_reset_writers_after_fork)
@@ -341,7 +338,9 @@ class SQLiteStore(FenceStore):
         self._keeper: sqlite3.Connection | None = None
         self._key: bytes | None = None
         self._key_lock = _fork.lock()
-        self._writer = _writer_lock(self.path)
+        self._writer = _writer_lock(self._real)
+        self._live: list[None] = []  # one item per connection open (append and pop: atomic)
+        _STORES.add(self)
         self._queue: list[_Step] = []  # steps waiting for the next transaction
         self._queue_lock = _fork.lock()
         if not os.path.exists(self.path):
@@ -410,25 +409,31 @@ class SQLiteStore(FenceStore):
     def _open_conn(self) -> sqlite3.Connection:
         if self._real in _INHERITED:
             raise self._inherited()
-        conn = sqlite3.connect(
-            self.path,
-            timeout=self.busy_timeout,
-            isolation_level=None,  # transactions are explicit: BEGIN IMMEDIATE ... COMMIT
-            check_same_thread=False,  # the pool hands a connection to one thread at a time
-            cached_statements=64,
-        )
+        self._live.append(None)  # before: a fork while it opens must count it
+        try:
+            conn = sqlite3.connect(
+                self.path,
+                timeout=self.busy_timeout,
+                isolation_level=None,  # transactions are explicit: BEGIN IMMEDIATE ... COMMIT
+                check_same_thread=False,  # the pool hands a connection to one thread at a time
+                cached_statements=64,
+            )
+        except BaseException:
+            self._live.pop()
+            raise
         try:
             conn.execute(f"PRAGMA synchronous={self.synchronous}")
         except BaseException:
-            conn.close()
+            self._close_conn(conn)
             raise
-        _opened(self._real, 1)
         return conn
 
     def _close_conn(self, conn: sqlite3.Connection) -> None:
-        _opened(self._real, -1)
-        with contextlib.suppress(sqlite3.Error):
-            conn.close()
+        try:
+            with contextlib.suppress(sqlite3.Error):
+                conn.close()
+        finally:
+            self._live.pop()  # after: a fork while it closes must still count it
 
     def _inherited(self) -> StoreUnavailable:
         return StoreUnavailable(
@@ -469,7 +474,7 @@ class SQLiteStore(FenceStore):
             self._keeper, self._shm, self._reads = None, None, {}
             self._fork = _fork.generation()
 
-    def _unavailable(self, op: str, exc: BaseException) -> StoreUnavailable:
+    def _unavailable(self, op: str, exc: BaseException | str) -> StoreUnavailable:
         return StoreUnavailable(
             f"the SQLite store {self.path} failed during {op}: {exc}; nothing was decided",
             path=self.path,
@@ -522,59 +527,69 @@ class SQLiteStore(FenceStore):
         return step.out
 
     def _commit_steps(self, steps: list[_Step], mine: _Step) -> None:
-        """Under the write lock: ``steps`` in one transaction (see :meth:`_write`). Every
-        step ends done, with its answer or an error: its own (a Python error in its body,
+        """Under the write lock: ``steps`` in one transaction (see :meth:`_write`).
+
+        What each body returned is kept aside and handed to its caller only once the
+        transaction is known to have committed; until a step is marked done its caller
+        reads "did not run" (so an interrupt anywhere here can cost an answer, never make
+        one up). A step ends with its answer, its own error (a Python error in its body,
         rolled back to its savepoint), ``store_unavailable`` when the transaction did not
         commit, or, for the leader's own step alone, an interrupt the leader received."""
         conn: sqlite3.Connection | None = None
         committed = sent = False
+        failure: BaseException | None = None
+        results: list[tuple[Any, BaseException | None]] = []
         try:
             conn = self._acquire()
             conn.execute("BEGIN IMMEDIATE")
             if len(steps) == 1:  # alone: no savepoint to pay for
                 only = steps[0]
                 try:
-                    only.out = only.body(conn, *only.args)
+                    results.append((only.body(conn, *only.args), None))
                 except sqlite3.Error:
                     raise
                 except BaseException as exc:
                     conn.execute("ROLLBACK")
-                    only.error = exc
+                    results.append((None, exc))
             else:
                 for s in steps:
                     conn.execute("SAVEPOINT step")
                     try:
-                        s.out = s.body(conn, *s.args)
+                        results.append((s.body(conn, *s.args), None))
                     except sqlite3.Error:
                         raise  # the transaction's state is unknown: none of it commits
                     except Exception as exc:
                         conn.execute("ROLLBACK TO step")
-                        s.out, s.error = None, exc
+                        results.append((None, exc))
                     conn.execute("RELEASE step")
             if conn.in_transaction:
                 sent = True
                 conn.execute("COMMIT")
             committed = True
         except BaseException as exc:
-            interrupt = not isinstance(exc, Exception)
-            if interrupt and sent and conn is not None and not conn.in_transaction:
-                committed = True  # the signal was raised as COMMIT returned, having committed
-            if committed:  # every answer stands
-                assert conn is not None
-                self._free.append(conn)
-                mine.error = exc  # its step applied; its thread was interrupted all the same
-            else:
-                if conn is not None:
-                    self._discard(conn)
-                for s in steps:
-                    if s is mine and interrupt:
-                        s.out, s.error = None, exc
-                    elif s.error is None:  # an error of its own stands: rolled back anyway
-                        s.out, s.error = None, self._unavailable(s.op, exc)
-        else:
-            self._free.append(conn)
+            failure = exc
+            if not isinstance(exc, Exception) and sent and conn is not None:
+                committed = not conn.in_transaction  # raised as COMMIT returned, committed
         finally:
-            for s in steps:
+            if conn is not None:
+                if committed:
+                    self._free.append(conn)
+                else:
+                    try:
+                        self._discard(conn)  # rolled back (or dropped)
+                    except BaseException:
+                        self._drop(conn)  # interrupted: closing rolls back, the lock is let go
+                        raise
+            interrupted = failure is not None and not isinstance(failure, Exception)
+            for i, s in enumerate(steps):
+                out, own = results[i] if i < len(results) else (None, None)
+                if s is mine and interrupted:
+                    s.out, s.error = (out if committed else None), failure
+                elif committed:
+                    s.out, s.error = out, own
+                else:
+                    s.out = None
+                    s.error = own or self._unavailable(s.op, failure or "it did not commit")
                 s.done = True
 
     def _discard(self, conn: sqlite3.Connection) -> None:
