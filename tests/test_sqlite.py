@@ -667,6 +667,41 @@ def test_an_interrupt_while_a_failed_batch_rolls_back_never_answers_applied(
         store.close()
 
 
+def test_a_connection_is_counted_for_forks_from_before_it_opens_until_after_it_closes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Opening and closing release the GIL: a fork by another thread in either window must
+    find the connection counted, or the child may use a file SQLite's table (which the
+    child inherits) says is open, with none of its locks."""
+    from effectfence.store import sqlite as sqlite_store
+
+    seen: list[tuple[str, int]] = []
+    stores: list[SQLiteStore] = []
+    connect = sqlite3.connect
+
+    class Watched(sqlite3.Connection):
+        def close(self) -> None:
+            seen.append(("closing", len(stores[0]._live)))
+            super().close()
+
+    def watched_connect(*args: Any, **kwargs: Any) -> sqlite3.Connection:
+        if stores:
+            seen.append(("opening", len(stores[0]._live)))
+        return connect(*args, factory=Watched, **kwargs)
+
+    monkeypatch.setattr(sqlite_store.sqlite3, "connect", watched_connect)
+    store = SQLiteStore.__new__(SQLiteStore)
+    stores.append(store)
+    store.__init__(str(tmp_path / "count.db"))  # type: ignore[misc]
+    store.read("charge:1")  # a pooled connection and the keeper
+    opened = len(store._live)
+    store.close()
+    assert opened >= 2 and store._live == []
+    assert [n for what, n in seen if what == "opening"][:2] == [1, 2]  # counted before
+    closing = [n for what, n in seen if what == "closing"]
+    assert closing == list(range(opened, 0, -1)), seen  # still counted while it closes
+
+
 def _fork_reports_open(path: str, out: Any) -> None:
     try:
         SQLiteStore(path).close()
