@@ -742,7 +742,7 @@ def test_a_kept_read_gives_way_to_another_process_commit(tmp_path: Path) -> None
     try:
         assert store.read("charge:kept")[0] is None
         assert store.read("charge:kept")[0] is None  # served kept now
-        assert "charge:kept" in store._reads
+        assert store._kept_record("charge:kept") is None  # kept: the intent is absent
         out = run("commit_one", url=f"sqlite:///{path}", intent="charge:kept")
         assert out["fresh"] is True
         rec = store.read("charge:kept")[0]
@@ -760,7 +760,7 @@ def test_a_kept_read_gives_way_to_another_connection_clearing(tmp_path: Path) ->
     other = SQLiteStore(path)
     try:
         assert store.read("charge:clear")[0] is not None
-        assert store.read("charge:clear")[0] is store._reads["charge:clear"][3]
+        assert store.read("charge:clear")[0] is store._kept_record("charge:clear")
         assert other.clear("charge:clear") is not None
         assert store.read("charge:clear")[0] is None, "a cleared intent replayed from a kept read"
     finally:
@@ -810,6 +810,139 @@ def test_a_store_opened_through_a_symlink_reads_the_header_sqlite_writes(tmp_pat
         store.close()
 
 
+def _fields(rec: Any) -> tuple[Any, ...]:
+    return tuple(getattr(rec, f) for f in type(rec).__slots__)
+
+
+def _no_statements(store: SQLiteStore) -> None:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a read ran its statement")
+
+    store._query = refuse  # type: ignore[method-assign]
+
+
+def test_a_commit_here_carries_the_kept_reads_over_to_the_header_it_wrote(
+    tmp_path: Path,
+) -> None:
+    """A replay right after a commit in this process reads nothing, and what it is served is
+    what the statement returns: the records written, the others kept, the ticked clock."""
+    path = str(tmp_path / "t.db")
+    clock = FakeClock(1_700_000_000.0)
+    store = SQLiteStore(path, clock=clock)
+    fence = EffectFence(FenceConfig(auto_sweep=False), store=store)
+    try:
+        assert store.read("charge:other")[0] is None  # kept
+        cert = fence.commit(fence.prepare(req("charge:new")).ticket, "r")
+        clock.advance(5.0)
+        fresh = SQLiteStore(path, clock=clock)
+        want_new, want_now = fresh.read("charge:new")
+        fresh.close()
+        _no_statements(store)
+        rec, now = store.read("charge:new")
+        assert rec is not None and rec.cert.hash == cert.hash
+        assert _fields(rec) == _fields(want_new) and now == want_now
+        assert store.read("charge:other") == (None, want_now)
+        assert fence.prepare(req("charge:new")).cert.hash == cert.hash  # a replay, no read
+    finally:
+        store.close()
+
+
+def test_the_carried_over_cache_keeps_the_clock_state_the_commit_wrote(tmp_path: Path) -> None:
+    """The wall clock steps back half a second (too little for readers to rebase) between a
+    claim and its commit: the commit's tick grows the offset, and the carried-over cache
+    computes time from that, exactly as the statement would."""
+    path = str(tmp_path / "t.db")
+    clock = FakeClock(1_700_000_000.0)
+    store = SQLiteStore(path, clock=clock)
+    fence = EffectFence(FenceConfig(auto_sweep=False), store=store)
+    try:
+        ticket = fence.prepare(req("charge:new")).ticket
+        assert store.read("charge:other")[0] is None  # kept, with the claim's clock state
+        clock.advance(-0.5)
+        fence.commit(ticket, "r")
+        clock.advance(1.0)
+        fresh = SQLiteStore(path, clock=clock)
+        want = fresh.read("charge:other")
+        fresh.close()
+        _no_statements(store)
+        assert store.read("charge:other") == want
+    finally:
+        store.close()
+
+
+def test_a_commit_by_anyone_else_in_between_stops_the_carry_over(tmp_path: Path) -> None:
+    """The commit counter must have moved by exactly one: here another connection commits
+    (clearing a kept intent) between this commit and the header read after it."""
+    path = str(tmp_path / "t.db")
+    store, other = SQLiteStore(path), SQLiteStore(path)
+    fence = EffectFence(FenceConfig(auto_sweep=False), store=store)
+    try:
+        fence.commit(fence.prepare(req("charge:kept")).ticket, "r")
+        assert store.read("charge:kept")[0] is not None
+        ticket = fence.prepare(req("charge:mine")).ticket
+        real = store._wal_header
+        calls: list[int] = []
+
+        def header() -> bytes | None:
+            calls.append(1)
+            if len(calls) == 2:  # the read after COMMIT: someone else got in first
+                assert other.clear("charge:kept") is not None
+            return real()
+
+        store._wal_header = header  # type: ignore[method-assign]
+        fence.commit(ticket, "r")
+        assert len(calls) == 2
+        assert store.read("charge:kept")[0] is None, "a cleared intent was carried over"
+    finally:
+        other.close()
+        store.close()
+
+
+def test_a_clear_here_is_not_carried_over(tmp_path: Path) -> None:
+    """Only steps whose writes are tracked carry the cache over; a clear (or a sweep, an
+    eviction) lets the header change drop it."""
+    store = SQLiteStore(str(tmp_path / "t.db"))
+    fence = EffectFence(FenceConfig(auto_sweep=False), store=store)
+    try:
+        fence.commit(fence.prepare(req("charge:kept")).ticket, "r")
+        assert store.read("charge:kept")[0] is not None
+        assert store.clear("charge:kept") is not None
+        assert store.read("charge:kept")[0] is None, "a cleared intent replayed"
+    finally:
+        store.close()
+
+
+def test_a_batch_with_a_step_rolled_back_is_not_carried_over(tmp_path: Path) -> None:
+    """A step that raised is rolled back to its savepoint: what it wrote never committed,
+    so it must not reach the cache either."""
+    from effectfence.store.sqlite import _Step
+
+    store = SQLiteStore(str(tmp_path / "t.db"))
+    fence = EffectFence(FenceConfig(auto_sweep=False), store=store)
+    try:
+        fence.prepare(req("charge:gone"))
+        rec = store.get("charge:gone")
+        assert rec is not None
+        assert store.clear("charge:gone") is not None
+        assert store.read("charge:gone")[0] is None
+
+        def ticks(conn: sqlite3.Connection) -> float:
+            return store._tick(conn)[0]
+
+        def writes_then_fails(conn: sqlite3.Connection) -> None:
+            store._put(conn, rec, None, new=True)
+            raise ValueError("after writing")
+
+        steps = [_Step("renew", ticks, ()), _Step("renew", writes_then_fails, ())]
+        with store._writer:
+            store._commit_steps(steps, steps[0])
+        assert steps[0].error is None and isinstance(steps[1].error, ValueError)
+        assert store.get("charge:gone") is None  # rolled back
+        assert store.read("charge:gone")[0] is None, "a rolled-back write was served"
+    finally:
+        store.close()
+
+
 def test_a_torn_or_missing_wal_header_means_the_statement_runs(tmp_path: Path) -> None:
     store = SQLiteStore(str(tmp_path / "t.db"))
     store.read("charge:1")
@@ -825,7 +958,7 @@ def test_a_torn_or_missing_wal_header_means_the_statement_runs(tmp_path: Path) -
             try:
                 assert store._wal_header() is None, header
                 assert store.read("charge:1")[0] is None  # read by the statement, unharmed
-                assert store._reads["charge:1"][0] != header, "kept under a torn header"
+                assert store._kept.header != header, "kept under a torn header"
             finally:
                 os.close(fd)
     finally:

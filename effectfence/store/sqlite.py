@@ -52,6 +52,7 @@ import math
 import os
 import secrets
 import sqlite3
+import sys
 import threading
 import time
 import weakref
@@ -159,6 +160,38 @@ def _whole(header: bytes) -> bool:
     writer between its two copies)."""
     half = _WAL_HEADER // 2
     return len(header) == _WAL_HEADER and header[12] == 1 and header[:half] == header[half:]
+
+
+def _change(header: bytes) -> int:
+    """The header's commit counter (``iChange``): every commit adds one, nothing else does."""
+    return int.from_bytes(header[8:12], sys.byteorder)
+
+
+def _newer(header: bytes, than: bytes) -> bool:
+    """``header`` names a later commit than ``than`` (the counter wraps at 2**32)."""
+    return 0 < (_change(header) - _change(than)) % (1 << 32) < (1 << 31)
+
+
+class _Kept:
+    """The read cache for one state of the database: the header that names it, the clock
+    state of the ``fence`` row in it, and the records read (or written) in it."""
+
+    __slots__ = ("header", "last", "offset", "records")
+
+    def __init__(
+        self,
+        header: bytes | None,
+        offset: float,
+        last: float,
+        records: dict[str, IntentRecord | None],
+    ) -> None:
+        self.header, self.offset, self.last, self.records = header, offset, last, records
+
+
+#: the operations whose writes a transaction tracks (see SQLiteStore._rekey); a batch with
+#: any other (sweep, clear, evict...) lets the header change invalidate the read cache
+_TRACKED = frozenset({"claim", "complete", "fail", "release", "renew"})
+_ABSENT = object()
 
 
 class _Step:
@@ -333,7 +366,10 @@ class SQLiteStore(FenceStore):
         self._fork = _fork.generation()
         self._closed = False
         self._certs = CertCache(_CERT_CACHE)
-        self._reads: dict[str, tuple[bytes, float, float, IntentRecord | None]] = {}
+        self._kept = _Kept(None, 0.0, 0.0, {})  # the read cache (see read)
+        self._kept_lock = _fork.lock()
+        self._wrote: dict[str, IntentRecord | None] = {}  # by the steps of one transaction
+        self._ticked: tuple[float, float] | None = None  # its last (clock_offset, clock_last)
         self._shm: int | None = None  # fd of the -shm file; -1: no read cache here
         self._keeper: sqlite3.Connection | None = None
         self._key: bytes | None = None
@@ -471,7 +507,7 @@ class SQLiteStore(FenceStore):
             self._all, self._free = [], []
             self._queue = []  # the parent's threads' steps: theirs to run, never ours
             # the parent's keeper holds no lock for us: open our own before reading -shm
-            self._keeper, self._shm, self._reads = None, None, {}
+            self._keeper, self._shm, self._kept = None, None, _Kept(None, 0.0, 0.0, {})
             self._fork = _fork.generation()
 
     def _unavailable(self, op: str, exc: BaseException | str) -> StoreUnavailable:
@@ -542,6 +578,9 @@ class SQLiteStore(FenceStore):
         try:
             conn = self._acquire()
             conn.execute("BEGIN IMMEDIATE")
+            # the header now names the state this transaction starts from (we hold the
+            # write lock: nobody else can commit until we do); see _rekey
+            before = self._header_for(steps)
             if len(steps) == 1:  # alone: no savepoint to pay for
                 only = steps[0]
                 try:
@@ -566,6 +605,10 @@ class SQLiteStore(FenceStore):
                 sent = True
                 conn.execute("COMMIT")
             committed = True
+            if before is not None and all(own is None for _, own in results):
+                after = self._wal_header()
+                if after is not None and _change(after) == (_change(before) + 1) % (1 << 32):
+                    self._rekey(before, after)
         except BaseException as exc:
             failure = exc
             if not isinstance(exc, Exception) and sent and conn is not None:
@@ -591,6 +634,15 @@ class SQLiteStore(FenceStore):
                     s.out = None
                     s.error = own or self._unavailable(s.op, failure or "it did not commit")
                 s.done = True
+
+    def _header_for(self, steps: list[_Step]) -> bytes | None:
+        """Inside the transaction: the header, when the read cache can follow it (a read
+        cache in use, and only steps whose writes are tracked); the tracking starts."""
+        self._wrote, self._ticked = {}, None
+        shm = self._shm
+        if shm is None or shm < 0 or any(s.op not in _TRACKED for s in steps):
+            return None
+        return self._wal_header()
 
     def _discard(self, conn: sqlite3.Connection) -> None:
         try:
@@ -731,12 +783,14 @@ class SQLiteStore(FenceStore):
                 "WHERE id = 0 RETURNING clock_offset, token",
                 (wall,),
             ).fetchall()[0]
+            self._ticked = (row[0], wall)
             return wall + row[0], row[1]
         row = conn.execute(
             "UPDATE fence SET clock_offset = clock_offset + max(0.0, clock_last - ?1), "
             "clock_last = ?1 WHERE id = 0 RETURNING clock_offset",
             (wall,),
         ).fetchall()[0]
+        self._ticked = (row[0], wall)
         return wall + row[0], 0
 
     def _now_from(self, offset: float, last: float) -> float:
@@ -778,6 +832,7 @@ class SQLiteStore(FenceStore):
     ) -> None:
         """Write a whole record: an UPDATE in place of one that exists (not INSERT OR
         REPLACE, which deletes the row and inserts it again: every index written twice)."""
+        self._wrote[rec.intent] = rec  # for the read cache, if this commits (see _rekey)
         conn.execute(
             _INSERT if new else _UPDATE,
             (
@@ -809,19 +864,23 @@ class SQLiteStore(FenceStore):
     def read(self, intent: str) -> tuple[IntentRecord | None, float]:
         """The record and the clock state in one statement: one snapshot, one round trip.
 
-        A replay reads the same row again and again, so the answer is kept with the
-        WAL-index header it was read under and served again while the header is unchanged.
-        Every commit, by any connection of any process, rewrites that header, so an unchanged
-        header means an unchanged database: the kept answer is the one the statement would
-        return. Time is not kept: ``now`` is computed afresh from the kept clock state, so
-        leases and TTLs lapse on a kept record exactly as on a read one. (Were the check
-        ever wrong, the harm is bounded: a decision to run goes through a write step that
-        re-reads under the write lock; only a read-only answer could be stale.)"""
+        A replay reads the same row again and again, so answers are kept with the WAL-index
+        header of the state they were read in, and served again while the header is
+        unchanged. Every commit, by any connection of any process, rewrites that header, so
+        an unchanged header means an unchanged database: the kept answer is the one the
+        statement would return. A commit made here carries the cache over to the header it
+        wrote (see :meth:`_rekey`), so a replay right after a commit reads nothing. Time is
+        not kept: ``now`` is computed afresh from the kept clock state, so leases and TTLs
+        lapse on a kept record exactly as on a read one. (Were the check ever wrong, the
+        harm is bounded: a decision to run goes through a write step that re-reads under
+        the write lock; only a read-only answer could be stale.)"""
         header = self._raw_header()
         if header is not None:
-            kept = self._reads.get(intent)
-            if kept is not None and kept[0] == header:  # equal to one judged whole: whole
-                return kept[3], self._now_from(kept[1], kept[2])
+            kept = self._kept
+            if kept.header == header:  # equal to one judged whole: whole
+                rec = kept.records.get(intent, _ABSENT)
+                if rec is not _ABSENT:
+                    return rec, self._now_from(kept.offset, kept.last)  # type: ignore[return-value]
             if not _whole(header):
                 header = None
         (row,) = self._query(
@@ -834,11 +893,49 @@ class SQLiteStore(FenceStore):
         if header is not None:
             # read after the header, so at least as new as the state it names; kept under
             # it, it is served only while nothing has been committed since (see above)
-            reads = self._reads
-            if len(reads) >= _READ_CACHE:
-                reads.clear()  # bounded; a miss only costs the statement
-            reads[intent] = (header, row[0], row[1], rec)
+            with self._kept_lock:
+                kept = self._kept
+                if kept.header != header:
+                    if kept.header is not None and _newer(kept.header, header):
+                        return rec, self._now_from(row[0], row[1])  # a late reader: not kept
+                    kept = self._kept = _Kept(header, row[0], row[1], {})
+                elif len(kept.records) >= _READ_CACHE:
+                    kept.records.clear()  # bounded; a miss only costs the statement
+                kept.records[intent] = rec
         return rec, self._now_from(row[0], row[1])
+
+    def _kept_record(self, intent: str) -> Any:
+        """What the read cache holds for ``intent`` now (for tests: ``_ABSENT`` if none)."""
+        return self._kept.records.get(intent, _ABSENT)
+
+    def _rekey(self, before: bytes, after: bytes) -> None:
+        """Under the write lock, after a transaction of tracked steps committed: carry the
+        read cache over to the header that commit wrote.
+
+        ``before`` was read inside the transaction (no other writer can commit then),
+        ``after`` once it committed; the commit counter moving by exactly one means no
+        other commit came between, so the state named by ``after`` is the state named by
+        ``before`` plus this transaction's writes, which the steps recorded as they made
+        them (``_wrote``, and the clock state of the last tick). Kept records of the state
+        before stay right, those written are replaced, and the cache lives on."""
+        wrote, ticked = self._wrote, self._ticked
+        with self._kept_lock:
+            kept = self._kept
+            if kept.header == after:  # a reader was first: it read the new state already
+                kept.records.update(wrote)
+                return
+            same = kept.header == before
+            if ticked is not None:
+                offset, last = ticked
+            elif same:
+                offset, last = kept.offset, kept.last
+            else:
+                return  # the clock state is not known: the next read runs its statement
+            records = kept.records if same else {}
+            if len(records) + len(wrote) > _READ_CACHE:
+                records = {}
+            records.update(wrote)
+            self._kept = _Kept(after, offset, last, records)
 
     def _wal_header(self) -> bytes | None:
         """The WAL-index header (https://sqlite.org/walformat.html#the_wal_index_header):
@@ -1202,6 +1299,7 @@ class SQLiteStore(FenceStore):
         new = make(cur, now)
         if new is None:
             conn.execute("DELETE FROM intents WHERE intent = ? AND token = ?", (intent, token))
+            self._wrote[intent] = None
         else:
             self._put(conn, new, None, new=False)
         return Step(APPLIED, new, cur)
