@@ -558,6 +558,10 @@ class _InterruptedAfterCommit:
     def in_transaction(self) -> bool:
         return self.conn.in_transaction
 
+    @property
+    def total_changes(self) -> int:
+        return self.conn.total_changes
+
     def execute(self, sql: str, *args: Any) -> Any:
         out = self.conn.execute(sql, *args)
         if sql == "COMMIT" and not _InterruptedAfterCommit.fired:
@@ -870,31 +874,131 @@ def test_the_carried_over_cache_keeps_the_clock_state_the_commit_wrote(tmp_path:
         store.close()
 
 
-def test_a_commit_by_anyone_else_in_between_stops_the_carry_over(tmp_path: Path) -> None:
-    """The commit counter must have moved by exactly one: here another connection commits
-    (clearing a kept intent) between this commit and the header read after it."""
+def _kept_and_another(tmp_path: Path) -> tuple[SQLiteStore, SQLiteStore, EffectFence]:
+    """A store with ``charge:kept`` committed and kept, another on the same file, a fence."""
     path = str(tmp_path / "t.db")
     store, other = SQLiteStore(path), SQLiteStore(path)
     fence = EffectFence(FenceConfig(auto_sweep=False), store=store)
+    fence.commit(fence.prepare(req("charge:kept")).ticket, "r")
+    assert store.read("charge:kept")[0] is not None
+    return store, other, fence
+
+
+def _other_commits_after_commit(store: SQLiteStore, other: SQLiteStore, intent: str) -> list[int]:
+    """Patch ``store``'s header reads: the one after its next COMMIT is preceded by another
+    connection clearing ``intent`` (one commit in the window). Returns the calls made."""
+    real = store._wal_header
+    calls: list[int] = []
+
+    def header() -> bytes | None:
+        calls.append(1)
+        if len(calls) == 2:  # the read after COMMIT: someone else got in first
+            assert other.clear(intent) is not None
+        if len(calls) == 2:
+            del store._wal_header  # once: back to the method
+        return real()
+
+    store._wal_header = header  # type: ignore[method-assign]
+    return calls
+
+
+def test_a_commit_by_anyone_else_in_between_stops_the_carry_over(tmp_path: Path) -> None:
+    """The commit counter must have moved by exactly one: here another connection commits
+    (clearing a kept intent) between this commit and the header read after it."""
+    store, other, fence = _kept_and_another(tmp_path)
     try:
-        fence.commit(fence.prepare(req("charge:kept")).ticket, "r")
-        assert store.read("charge:kept")[0] is not None
         ticket = fence.prepare(req("charge:mine")).ticket
-        real = store._wal_header
-        calls: list[int] = []
-
-        def header() -> bytes | None:
-            calls.append(1)
-            if len(calls) == 2:  # the read after COMMIT: someone else got in first
-                assert other.clear("charge:kept") is not None
-            return real()
-
-        store._wal_header = header  # type: ignore[method-assign]
+        calls = _other_commits_after_commit(store, other, "charge:kept")
         fence.commit(ticket, "r")
         assert len(calls) == 2
         assert store.read("charge:kept")[0] is None, "a cleared intent was carried over"
     finally:
         other.close()
+        store.close()
+
+
+def test_a_carried_over_record_is_typed_as_read_back_with_an_int_clock(tmp_path: Path) -> None:
+    """An injected clock may answer ints; the row reads back floats, and so must the cache."""
+    path = str(tmp_path / "t.db")
+    store = SQLiteStore(path, clock=lambda: 1_700_000_000)
+    fence = EffectFence(FenceConfig(auto_sweep=False), store=store)
+    try:
+        fence.abort(fence.prepare(req("charge:1")).ticket, "unknown")
+        fresh = SQLiteStore(path)
+        want, _ = fresh.read("charge:1")
+        fresh.close()
+        _no_statements(store)
+        got, now = store.read("charge:1")
+        assert got is not None and got.state is State.FAILED
+        assert [type(v) for v in _fields(got)] == [type(v) for v in _fields(want)]
+        assert type(now) is float
+    finally:
+        store.close()
+
+
+def test_a_transaction_that_wrote_nothing_is_not_carried_over(tmp_path: Path) -> None:
+    """A step that found the record moved commits no frame, so the counter stays put; a
+    commit by someone else in the window after it moves the counter by exactly one, which
+    must not pass for ours (found by review: the cleared intent replayed)."""
+    store, other, fence = _kept_and_another(tmp_path)
+    try:
+        calls = _other_commits_after_commit(store, other, "charge:kept")
+        assert store.release("charge:kept", 999_999).outcome is not APPLIED  # a late release
+        if len(calls) < 2:  # the header was not read after COMMIT: the other commit comes now
+            del store._wal_header
+            assert other.clear("charge:kept") is not None
+        assert store.read("charge:kept")[0] is None, "a cleared intent was carried over"
+        assert fence.prepare(req("charge:kept")).fresh
+    finally:
+        other.close()
+        store.close()
+
+
+def test_a_reader_holding_the_cache_of_before_never_sees_a_record_of_after(
+    tmp_path: Path,
+) -> None:
+    """A published cache never changes: a reader preempted between taking it and looking
+    the intent up gets the record and the clock state of one state, never a mix (found by
+    review: a result already expired was served as live)."""
+    clock = FakeClock(1_700_000_000.0)
+    store = SQLiteStore(str(tmp_path / "t.db"), clock=clock)
+    fence = EffectFence(FenceConfig(auto_sweep=False, result_ttl=0.1), store=store)
+    try:
+        ticket = fence.prepare(req("charge:1")).ticket
+        assert store.read("charge:1")[0] is not None  # kept, in flight
+        go, parked = threading.Event(), threading.Event()
+
+        class Pausing(dict):  # type: ignore[type-arg]
+            def get(self, *args: Any) -> Any:
+                if threading.current_thread().name == "reader":
+                    parked.set()
+                    go.wait(10)
+                return dict.get(self, *args)
+
+        store._kept.records = Pausing(store._kept.records)
+        got: dict[str, Any] = {}
+        reader = threading.Thread(
+            name="reader", target=lambda: got.setdefault("read", store.read("charge:1"))
+        )
+        reader.start()
+        assert parked.wait(10)
+        clock.advance(-0.5)  # stepped back, under the rebase threshold: the tick grows the offset
+        fence.commit(ticket, "r")
+        clock.advance(0.2)
+        go.set()
+        reader.join(10)
+        rec, now = got["read"]
+        assert rec is not None
+        if rec.state is State.DONE:  # the record of after: then the time of after
+            fresh = SQLiteStore(store.path, clock=clock)
+            try:
+                want, want_now = fresh.read("charge:1")
+                assert want is not None and (rec.until, now) == (want.until, want_now)
+            finally:
+                fresh.close()
+        else:
+            assert rec.state is State.IN_FLIGHT
+    finally:
         store.close()
 
 
