@@ -851,6 +851,46 @@ def test_a_commit_here_carries_the_kept_reads_over_to_the_header_it_wrote(
         store.close()
 
 
+def test_commits_stack_levels_on_the_cache_and_merge_them_newest_first(tmp_path: Path) -> None:
+    """Each commit here puts what it wrote on a new level over the old cache (left as it
+    was); a chain grown deep is merged, newer levels over older, and a read served from deep
+    down merges it too. Whatever the shape, every read is the statement's answer."""
+    from effectfence.store.sqlite import _MERGE_DEPTH, _MERGE_WALK
+
+    path = str(tmp_path / "t.db")
+    store = SQLiteStore(path)
+    fence = EffectFence(FenceConfig(auto_sweep=False), store=store)
+    try:
+        assert store.read("charge:none")[0] is None  # kept: absent, at the bottom
+        ticket = fence.prepare(req("charge:x")).ticket  # x in flight, kept
+        cert = fence.commit(ticket, "r")  # x done: a newer level over the in-flight one
+        depths = []
+        for i in range(2 * _MERGE_DEPTH):
+            old = store._kept
+            frozen = dict(old.records)
+            fence.commit(fence.prepare(req(f"charge:{i}")).ticket, i)
+            changed = [k for k, v in frozen.items() if old.records.get(k) is not v]
+            assert not changed, "a commit changed a published cache"
+            depths.append(store._kept.depth)
+        assert max(depths) < _MERGE_DEPTH and min(depths) == 0, depths
+        n = 0
+        while store._kept.depth < _MERGE_WALK:  # deep enough for a read from the bottom
+            n += 1
+            fence.commit(fence.prepare(req(f"charge:d{n}")).ticket, "r")
+        fresh = SQLiteStore(path)
+        want = {i: fresh.read(i)[0] for i in ("charge:x", "charge:0", "charge:none")}
+        fresh.close()
+        _no_statements(store)
+        got = {i: store.read(i)[0] for i in want}
+        assert got["charge:x"] is not None and got["charge:x"].cert.hash == cert.hash
+        assert {i: r and _fields(r) for i, r in got.items()} == {
+            i: r and _fields(r) for i, r in want.items()
+        }
+        assert store._kept.depth == 0, "a read from deep down did not merge the chain"
+    finally:
+        store.close()
+
+
 def test_the_carried_over_cache_keeps_the_clock_state_the_commit_wrote(tmp_path: Path) -> None:
     """The wall clock steps back half a second (too little for readers to rebase) between a
     claim and its commit: the commit's tick grows the offset, and the carried-over cache

@@ -107,9 +107,11 @@ _SWEEP_BATCH = 1000
 _CERT_CACHE = 4096
 #: replays of recently read intents, each kept with the WAL-index header it was read under
 _READ_CACHE = 4096
-#: kept reads a commit copies over to its header (a larger cache starts again empty): the
-#: copy costs ~3 us per 1,000
-_CARRY_MAX = 2048
+#: a chain of read caches this deep is merged into one by the commit that would deepen it,
+#: and a read served from this many levels down merges it (each merge copies the cache:
+#: ~3 us per 1,000 records)
+_MERGE_DEPTH = 8
+_MERGE_WALK = 4
 #: the WAL-index header: two copies of 48 bytes at the start of the ``-shm`` file
 _WAL_HEADER = 96
 
@@ -177,9 +179,14 @@ def _newer(header: bytes, than: bytes) -> bool:
 
 class _Kept:
     """The read cache for one state of the database: the header that names it, the clock
-    state of the ``fence`` row in it, and the records read (or written) in it."""
+    state of the ``fence`` row in it, and the records read (or written) in it.
 
-    __slots__ = ("header", "last", "offset", "records")
+    Published once, never changed under a reader who holds it, except to add reads of the
+    same state. A commit made here does not copy the cache: it starts a new one holding what
+    it wrote, over the old one as ``parent`` (frozen from then on); lookups go down the
+    chain, and a chain grown deep is merged into one again (see ``SQLiteStore._rekey``)."""
+
+    __slots__ = ("base", "depth", "header", "last", "offset", "parent", "records")
 
     def __init__(
         self,
@@ -187,8 +194,35 @@ class _Kept:
         offset: float,
         last: float,
         records: dict[str, IntentRecord | None],
+        parent: _Kept | None = None,
     ) -> None:
         self.header, self.offset, self.last, self.records = header, offset, last, records
+        self.parent = parent
+        self.depth: int = 0 if parent is None else parent.depth + 1
+        #: records held below this one (frozen: counted once)
+        self.base: int = 0 if parent is None else parent.base + len(parent.records)
+
+    def below(self, intent: str) -> tuple[object, int]:
+        """``intent`` looked up under this level: (record or ``_ABSENT``, levels walked)."""
+        kept, walked = self.parent, 1
+        while kept is not None:
+            rec = kept.records.get(intent, _ABSENT)
+            if rec is not _ABSENT:
+                return rec, walked
+            kept, walked = kept.parent, walked + 1
+        return _ABSENT, walked
+
+    def merged(self) -> dict[str, IntentRecord | None]:
+        """The whole chain in one dict, newer levels over older ones."""
+        levels: list[dict[str, IntentRecord | None]] = []
+        kept: _Kept | None = self
+        while kept is not None:
+            levels.append(kept.records)
+            kept = kept.parent
+        out: dict[str, IntentRecord | None] = {}
+        for records in reversed(levels):
+            out.update(records)
+        return out
 
 
 #: the operations whose writes a transaction tracks (see SQLiteStore._rekey); a batch with
@@ -888,6 +922,10 @@ class SQLiteStore(FenceStore):
             kept = self._kept
             if kept.header == header:  # equal to one judged whole: whole
                 rec = kept.records.get(intent, _ABSENT)
+                if rec is _ABSENT and kept.parent is not None:
+                    rec, walked = kept.below(intent)
+                    if walked >= _MERGE_WALK and rec is not _ABSENT:
+                        self._merge(kept)  # served from deep down: the next one is not
                 if rec is not _ABSENT:
                     return rec, self._now_from(kept.offset, kept.last)  # type: ignore[return-value]
             if not _whole(header):
@@ -908,14 +946,23 @@ class SQLiteStore(FenceStore):
                     if kept.header is not None and _newer(kept.header, header):
                         return rec, self._now_from(row[0], row[1])  # a late reader: not kept
                     kept = self._kept = _Kept(header, row[0], row[1], {})
-                elif len(kept.records) >= _READ_CACHE:
-                    kept.records.clear()  # bounded; a miss only costs the statement
+                elif kept.base + len(kept.records) >= _READ_CACHE:
+                    # bounded: start again (a new object: a reader may hold this one)
+                    kept = self._kept = _Kept(header, kept.offset, kept.last, {})
                 kept.records[intent] = rec
         return rec, self._now_from(row[0], row[1])
 
     def _kept_record(self, intent: str) -> Any:
         """What the read cache holds for ``intent`` now (for tests: ``_ABSENT`` if none)."""
-        return self._kept.records.get(intent, _ABSENT)
+        kept = self._kept
+        rec = kept.records.get(intent, _ABSENT)
+        return kept.below(intent)[0] if rec is _ABSENT else rec
+
+    def _merge(self, kept: _Kept) -> None:
+        """Replace a deep chain, if still the cache in use, by one level holding the same."""
+        with self._kept_lock:
+            if self._kept is kept:
+                self._kept = _Kept(kept.header, kept.offset, kept.last, kept.merged())
 
     def _rekey(self, before: bytes, after: bytes) -> None:
         """Under the write lock, after a transaction of tracked steps committed: carry the
@@ -940,11 +987,16 @@ class SQLiteStore(FenceStore):
                 offset, last = kept.offset, kept.last
             else:
                 return  # the clock state is not known: the next read runs its statement
-            # a copy: a published cache never changes under a reader holding it, who would
-            # otherwise pair a record written here with the clock state of before
-            records = dict(kept.records) if same and len(kept.records) <= _CARRY_MAX else {}
-            records.update(wrote)
-            self._kept = _Kept(after, offset, last, records)
+            # a new level over the old one, never a change to it: a reader holding the old
+            # one would pair a record written here with the clock state of before
+            if not same or kept.base + len(kept.records) + len(wrote) > _READ_CACHE:
+                self._kept = _Kept(after, offset, last, dict(wrote))
+            elif kept.depth + 1 >= _MERGE_DEPTH:
+                records = kept.merged()
+                records.update(wrote)
+                self._kept = _Kept(after, offset, last, records)
+            else:
+                self._kept = _Kept(after, offset, last, dict(wrote), kept)
 
     def _wal_header(self) -> bytes | None:
         """The WAL-index header (https://sqlite.org/walformat.html#the_wal_index_header):
