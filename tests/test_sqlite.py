@@ -39,6 +39,7 @@ from effectfence.protocol import State
 from effectfence.store import default_store_url, open_store
 from effectfence.store._waiters import Waiters
 from effectfence.store.base import APPLIED
+from effectfence.store.sqlite import _ABSENT as _ABSENT_FOR_TESTS
 from effectfence.store.sqlite import SCHEMA_VERSION, SQLiteStore, StoreSchemaError
 
 WORKER = str(Path(__file__).with_name("sqlite_worker.py"))
@@ -1039,6 +1040,107 @@ def test_a_reader_holding_the_cache_of_before_never_sees_a_record_of_after(
         else:
             assert rec.state is State.IN_FLIGHT
     finally:
+        store.close()
+
+
+def test_a_late_reader_whose_clock_stepped_back_does_not_deadlock_a_commit(
+    tmp_path: Path,
+) -> None:
+    """A reader whose statement finds the wall clock stepped back by over a second rebases
+    the store clock, a write: it must not wait for the writer while holding the cache's
+    lock, which a committing thread takes to carry the cache over (found by review: both
+    threads stuck forever, and every later write of the file in this process with them)."""
+    clock = FakeClock(1_700_000_000.0)
+    store = SQLiteStore(str(tmp_path / "t.db"), clock=clock)
+    fence = EffectFence(FenceConfig(auto_sweep=False, lease_ttl=30), store=store)
+    try:
+        token = fence.prepare(req("charge:1")).ticket.token
+        store.read("charge:1")
+        ev = {k: threading.Event() for k in ("post", "post_go", "b", "b_go")}
+        real_header, real_tick = store._raw_header, store._tick
+        reads: list[int] = []
+
+        def header() -> bytes | None:
+            got = real_header()
+            if threading.current_thread().name == "reader":
+                reads.append(1)
+                if len(reads) == 2:  # after its statement, the header still the same
+                    ev["post"].set()
+                    ev["post_go"].wait(10)
+            return got
+
+        def tick(conn: sqlite3.Connection, token: bool = False) -> tuple[float, int]:
+            if threading.current_thread().name == "writer":
+                ev["b"].set()
+                ev["b_go"].wait(10)
+            return real_tick(conn, token)
+
+        store._raw_header, store._tick = header, tick  # type: ignore[method-assign]
+        got: dict[str, Any] = {}
+        reader = threading.Thread(
+            name="reader", daemon=True, target=lambda: got.setdefault("r", store.read("zz"))
+        )
+        reader.start()
+        assert ev["post"].wait(10)  # read header, row, header again: about to keep it
+        clock.advance(1.0)
+        store.renew("charge:1", token, lease_ttl=30, reclaim_after=60)  # the cache moves on
+        clock.advance(-3.0)  # stepped back two seconds in all: the reader rebases
+        writer = threading.Thread(
+            name="writer",
+            daemon=True,
+            target=lambda: got.setdefault(
+                "w", store.renew("charge:1", token, lease_ttl=30, reclaim_after=60)
+            ),
+        )
+        writer.start()
+        assert ev["b"].wait(10)  # the writer holds the write lock, inside its step
+        ev["post_go"].set()  # the late reader rebases the clock: a write step
+        deadline = time.monotonic() + 10
+        while not any(s.op == "now" for s in store._queue) and time.monotonic() < deadline:
+            if not reader.is_alive():
+                break
+            time.sleep(0.005)
+        ev["b_go"].set()
+        reader.join(10)
+        writer.join(10)
+        assert not reader.is_alive() and not writer.is_alive(), "deadlocked"
+        assert got["w"].outcome is APPLIED and got["r"][0] is None
+    finally:
+        store.close()
+
+
+def test_a_read_that_saw_a_later_commit_is_not_kept_under_the_header_before(
+    tmp_path: Path,
+) -> None:
+    """A statement may see a commit that landed after its header was read: its row is of
+    the later state, and kept under the earlier header it would be paired with that
+    state's clock (found by review: a `now` earlier than the record's own `since`)."""
+    clock = FakeClock(1_700_000_000.0)
+    store = SQLiteStore(str(tmp_path / "t.db"), clock=clock)
+    other = SQLiteStore(store.path, clock=clock)
+    fence = EffectFence(FenceConfig(auto_sweep=False), store=store)
+    try:
+        ticket = fence.prepare(req("charge:1")).ticket
+        EffectFence(store=other).prepare(req("charge:other"))  # a commit elsewhere: cache stale
+        store.read("charge:warm")  # the cache, at this header, without charge:1
+        before = store._kept
+        real_query = store._query
+
+        def query(*args: Any) -> Any:  # a commit elsewhere lands after the header read
+            clock.advance(0.8)
+            assert (
+                other.fail(ticket.intent, ticket.token, "boom", reclaim_after=60).outcome is APPLIED
+            )
+            return real_query(*args)
+
+        store._query = query  # type: ignore[method-assign]
+        rec = store.read("charge:1")[0]
+        del store._query
+        assert rec is not None and rec.state is State.FAILED
+        assert before.records.get("charge:1", "absent") == "absent", "a later state was kept"
+        assert store._kept_record("charge:1") in (_ABSENT_FOR_TESTS, rec)
+    finally:
+        other.close()
         store.close()
 
 

@@ -937,20 +937,22 @@ class SQLiteStore(FenceStore):
             (intent,),
         )
         rec = None if row[2] is None else self._decode(row[2:])
-        if header is not None:
-            # read after the header, so at least as new as the state it names; kept under
-            # it, it is served only while nothing has been committed since (see above)
-            with self._kept_lock:
+        # kept only when the header is the same after the statement: then no commit came
+        # between, and the statement read exactly the state the header names (a later
+        # state kept under it would pair its record with the clock state of this one)
+        if header is not None and self._raw_header() == header:
+            with self._kept_lock:  # nothing in here may wait for the writer (see _rekey)
                 kept = self._kept
                 if kept.header != header:
-                    if kept.header is not None and _newer(kept.header, header):
-                        return rec, self._now_from(row[0], row[1])  # a late reader: not kept
-                    kept = self._kept = _Kept(header, row[0], row[1], {})
+                    if kept.header is None or not _newer(kept.header, header):
+                        kept = self._kept = _Kept(header, row[0], row[1], {intent: rec})
+                    # else a late reader: the cache has moved on, this is not kept
                 elif kept.base + len(kept.records) >= _READ_CACHE:
                     # bounded: start again (a new object: a reader may hold this one)
-                    kept = self._kept = _Kept(header, kept.offset, kept.last, {})
-                kept.records[intent] = rec
-        return rec, self._now_from(row[0], row[1])
+                    self._kept = _Kept(header, kept.offset, kept.last, {intent: rec})
+                else:
+                    kept.records[intent] = rec
+        return rec, self._now_from(row[0], row[1])  # may write (a clock rebase): unlocked
 
     def _kept_record(self, intent: str) -> Any:
         """What the read cache holds for ``intent`` now (for tests: ``_ABSENT`` if none)."""
