@@ -1212,6 +1212,51 @@ def test_a_torn_or_missing_wal_header_means_the_statement_runs(tmp_path: Path) -
         store.close()
 
 
+def test_closing_the_store_during_a_step_lets_the_step_finish_then_closes_it(
+    tmp_path: Path,
+) -> None:
+    """close() while another thread's step is inside its transaction: closing a connection
+    in use crashes the interpreter (found by review: a segfault), so close() closes the idle
+    ones and the step's own connection is closed when the step ends; the step answers what
+    it did, later calls are refused, and no connection is left open."""
+    store = SQLiteStore(str(tmp_path / "t.db"))
+    fence = EffectFence(FenceConfig(auto_sweep=False, lease_ttl=30), store=store)
+    token = fence.prepare(req("charge:1")).ticket.token
+    store.read("charge:2")  # the keeper connection is open too
+    inside, go = threading.Event(), threading.Event()
+    real_tick = store._tick
+
+    def tick(conn: sqlite3.Connection, token: bool = False) -> tuple[float, int]:
+        if threading.current_thread().name == "stepping":
+            inside.set()
+            go.wait(10)
+        return real_tick(conn, token)
+
+    store._tick = tick  # type: ignore[method-assign]
+    got: dict[str, Any] = {}
+    stepping = threading.Thread(
+        name="stepping",
+        target=lambda: got.setdefault(
+            "step", store.renew("charge:1", token, lease_ttl=30, reclaim_after=60)
+        ),
+    )
+    stepping.start()
+    assert inside.wait(10)  # its transaction is open on its connection
+    store.close()
+    go.set()
+    stepping.join(10)
+    assert got["step"].outcome is APPLIED, "a step in flight was cut off by close()"
+    with pytest.raises(StoreUnavailable):
+        store.read("charge:1")
+    assert store._live == [], "a connection was left open"
+    reopened = SQLiteStore(store.path)
+    try:
+        rec = reopened.get("charge:1")
+        assert rec is not None and rec.state is State.IN_FLIGHT and rec.token == token
+    finally:
+        reopened.close()
+
+
 # -- processes ------------------------------------------------------------------------------------
 
 

@@ -555,12 +555,23 @@ class SQLiteStore(FenceStore):
         )
 
     def _drop(self, conn: sqlite3.Connection) -> None:
-        """A connection whose transaction state is unknown is closed, never reused."""
+        """A connection whose transaction state is unknown is closed, never reused (once:
+        whoever takes it out of ``_all`` closes it)."""
         with self._all_lock:
             if conn not in self._all:
-                return  # close() took it (and closes it)
+                return  # closed already
             self._all.remove(conn)
         self._close_conn(conn)
+
+    def _release(self, conn: sqlite3.Connection) -> None:
+        """A connection back to the pool; once the store is closed, closed instead: close()
+        closes only idle connections, as closing one another thread is using crashes the
+        interpreter (found by review: a segfault closing a store during a write)."""
+        with self._all_lock:
+            if not self._closed:
+                self._free.append(conn)
+                return
+        self._drop(conn)
 
     def _write(self, op: str, body: Callable[..., Any], *args: Any) -> Any:
         """Run ``body(conn, *args)`` atomically, durable before it returns: all or none.
@@ -657,7 +668,7 @@ class SQLiteStore(FenceStore):
         finally:
             if conn is not None:
                 if committed:
-                    self._free.append(conn)
+                    self._release(conn)
                 else:
                     try:
                         self._discard(conn)  # rolled back (or dropped)
@@ -692,10 +703,7 @@ class SQLiteStore(FenceStore):
         except sqlite3.Error:
             self._drop(conn)
             return
-        if self._closed:
-            self._drop(conn)
-        else:
-            self._free.append(conn)
+        self._release(conn)
 
     def _query(self, op: str, sql: str, params: Sequence[Any] = ()) -> list[Any]:
         """One read statement (autocommit: its own consistent snapshot)."""
@@ -708,7 +716,7 @@ class SQLiteStore(FenceStore):
         except sqlite3.Error as exc:
             self._discard(conn)
             raise self._unavailable(op, exc) from exc
-        self._free.append(conn)
+        self._release(conn)
         return rows
 
     def _init_schema(self) -> tuple[str, str]:
@@ -804,7 +812,7 @@ class SQLiteStore(FenceStore):
         except BaseException:
             self._drop(conn)
             raise
-        self._free.append(conn)
+        self._release(conn)
         return str(store_id[0]), mode
 
     def _foreign(self, what: str) -> StoreSchemaError:
@@ -1505,11 +1513,17 @@ class SQLiteStore(FenceStore):
 
     # -- lifetime -------------------------------------------------------------------------
     def close(self) -> None:
-        """Close every connection; later calls report the store unavailable."""
-        self._closed = True
+        """Close every idle connection now, and each one in use when its step ends; later
+        calls report the store unavailable."""
         with self._all_lock:
-            conns, self._all = self._all, []
+            self._closed = True
+            keeper, idle, self._free = self._keeper, self._free, []
             self._shm, self._keeper = -1, None  # the descriptor stays open: see _SHM_FDS
-        self._free.clear()
-        for conn in conns:
-            self._close_conn(conn)
+        if keeper is not None:
+            self._drop(keeper)
+        while True:  # one by one: a caller that took one from the old list just now keeps it
+            try:
+                conn = idle.pop()
+            except IndexError:
+                break
+            self._drop(conn)
