@@ -33,7 +33,7 @@ _MAC = re.compile(r"[0-9a-f]{64}")
 class TicketSigner:
     """Seals tickets for the wire and opens them again, refusing any that were altered."""
 
-    __slots__ = ("_key", "_scope")
+    __slots__ = ("_key", "_keyed", "_scope")
 
     def __init__(self, key: bytes | None = None, *, scope: str = "") -> None:
         if key is None:
@@ -46,6 +46,8 @@ class TicketSigner:
         # share a key but not a store (each its own memory) can never honour each other's
         # tickets, whose tokens come from unrelated counters.
         self._scope = scope.encode()
+        # keyed once; each ticket hashes a copy (see _mac)
+        self._keyed = hmac.new(key, self._scope + b"\x00", "sha256")
 
     @classmethod
     def for_store(cls, store: Any) -> TicketSigner:
@@ -60,8 +62,13 @@ class TicketSigner:
         return "TicketSigner(key=<hidden>)"
 
     def _mac(self, body: bytes) -> str:
-        # hmac.digest: the one-shot C path, a third of hmac.new's cost per ticket
-        return hmac.digest(self._key, self._scope + b"\x00" + body, "sha256").hex()
+        # A copy of the keyed state, not hmac.digest: the one-shot call lets go of the GIL
+        # around its ~2 us of hashing, and with another thread busy (a server's workers)
+        # getting it back made it ~35 us a call, against ~6 for this (measured in one
+        # process beside a spinning thread); an update under 2 KiB keeps the GIL.
+        mac = self._keyed.copy()
+        mac.update(body)
+        return mac.hexdigest()
 
     def seal(self, ticket: PreparedEffect) -> str:
         """The wire form; refused (InvalidRequest) if :meth:`open` would refuse it as too
