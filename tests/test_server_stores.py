@@ -12,6 +12,7 @@ sees blocked on the server before it cuts the connection.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -366,6 +367,147 @@ def test_pg_idle_connections_cut_before_a_step_cost_a_reconnect(pg: Any) -> None
     assert n >= 1
     adm = fence.prepare(req())  # not StoreUnavailable: the dead connection was never used
     assert adm.fresh
+
+
+def test_pg_a_claim_that_finds_a_record_reads_it_without_a_lock(pg: Any) -> None:
+    """PostgreSQL is put-first: prepare claims as if the slot were empty, so every replay
+    and every duplicate is a claim that finds a record. Locking that row (FOR UPDATE, as a
+    claim expecting a record does) would make each of them wait behind any step holding it
+    and pay a WAL flush. With another transaction holding the row, both forms of the claim
+    (prepare's own statement, and the claim function an older process calls) answer at
+    once, MOVED with the record and the server's clock."""
+    from effectfence.store.base import MOVED
+
+    fence = EffectFence(FenceConfig(auto_sweep=False), store=pg)
+    cert = fence.commit(fence.prepare(req()).ticket, {"charge_id": "ch_1"})
+    rec = pg.get("charge:1")
+    seq = pg.current("order:777")
+    answers: list[Any] = []
+
+    def claims() -> None:
+        for compare in ((), (("order:777", seq),)):  # the second is the general claim
+            answers.append(
+                _catch(
+                    lambda compare=compare: pg.claim(
+                        "charge:1",
+                        expect=None,
+                        fingerprint=rec.fingerprint,
+                        domain="order:777",
+                        agent="b",
+                        lease_ttl=30.0,
+                        reclaim_after=60.0,
+                        compare=compare,
+                        reserve_at=None,
+                    )
+                )
+            )
+
+    with _pg_admin() as admin:
+        admin.autocommit = False
+        admin.execute(
+            f'SELECT 1 FROM "{pg.schema}".intents WHERE intent = %s FOR UPDATE', ("charge:1",)
+        )
+        worker = threading.Thread(target=claims, daemon=True)
+        worker.start()
+        worker.join(10)
+        waited = worker.is_alive()
+        admin.rollback()  # lets a claim that waited for the lock finish
+        worker.join(10)
+    assert not waited, "a claim that found a record waited for the row's lock"
+    assert len(answers) == 2
+    for step in answers:
+        assert step.outcome is MOVED, step
+        assert step.found.state is State.DONE and step.found.cert.hash == cert.hash
+        assert step.now is not None and abs(step.now - pg.now()) < 60
+    after = pg.get("charge:1")
+    assert after is not None and (after.token, after.until, after.reclaim_at) == (
+        rec.token,
+        rec.until,
+        rec.reclaim_at,
+    ), "nothing written"
+
+
+@contextlib.contextmanager
+def _prepare_waiting_on_an_insert(pg: Any) -> Iterator[tuple[Any, list[Any]]]:
+    """A prepare of ``charge:1`` waiting on another transaction that inserted the intent
+    and holds it open (yielded, with where the prepare's answer lands once it is let go)."""
+    import psycopg
+
+    fence = EffectFence(FenceConfig(auto_sweep=False), store=pg)
+    fence.commit(fence.prepare(req("other")).ticket, "x")  # the domain row exists
+    holder = psycopg.connect(PG_DSN)
+    holder.execute(
+        f'INSERT INTO "{pg.schema}".intents (intent, state, token, fingerprint, domain, agent, '
+        "lease_until, cert, until, reason, since, seq, reclaim_at) SELECT 'charge:1', state, "
+        "token, fingerprint, domain, agent, lease_until, cert, until, reason, since, seq, "
+        f"reclaim_at FROM \"{pg.schema}\".intents WHERE intent = 'other'"
+    )
+    got: list[Any] = []
+    t = threading.Thread(target=lambda: got.append(_catch(lambda: fence.prepare(req()))))
+    t.start()
+    try:
+        with _pg_admin() as admin:
+            until(lambda: _blocked_pids(admin, pg.schema, "claim"), "a claim waiting")
+        yield holder, got
+    finally:
+        holder.rollback()  # the claim goes on
+        holder.close()
+        t.join(timeout=30)
+
+
+def test_pg_a_claim_takes_the_slot_before_the_domain(pg: Any) -> None:
+    """Lock order: every step that finds a record holds its row, then its domain. A claim of
+    an empty slot that took the domain first and then waited on the intent's key (another
+    transaction inserting it, or a commit of it adding a key entry) deadlocked with that
+    transaction as soon as it wanted the domain; PostgreSQL broke it after a second. Here a
+    transaction inserts the intent and holds it while a claim of it waits: the domain must
+    still be free."""
+    with _prepare_waiting_on_an_insert(pg) as (holder, got):
+        free = _catch(
+            lambda: holder.execute(
+                f'SELECT 1 FROM "{pg.schema}".domains WHERE domain = %s FOR NO KEY UPDATE NOWAIT',
+                ("order:777",),
+            )
+        )
+    assert not isinstance(free, BaseException), f"the waiting claim held the domain: {free}"
+    assert len(got) == 1 and getattr(got[0], "fresh", False), got
+
+
+def test_pg_a_claim_that_waited_draws_its_token_after_the_one_it_waited_for(pg: Any) -> None:
+    """Fencing tokens grow: a claim whose insert waited for another transaction holding the
+    intent (here one that claims it, draws a token, and clears it again) must draw its own
+    token after that one's. Drawn before the wait, it came out smaller (seen by the
+    linearizability test: fresh 9, cleared, then fresh 8 for the same intent)."""
+    with _prepare_waiting_on_an_insert(pg) as (holder, got):
+        row = holder.execute(f"SELECT nextval('\"{pg.schema}\".tokens')").fetchone()
+        assert row is not None
+        drawn = row[0]
+        holder.execute(f'DELETE FROM "{pg.schema}".intents WHERE intent = %s', ("charge:1",))
+        holder.commit()  # claimed, drew a token, cleared: the slot is empty again
+    assert len(got) == 1 and getattr(got[0], "fresh", False), got
+    assert got[0].ticket.token > drawn
+
+
+def test_pg_a_fresh_attempt_is_two_statements_and_a_replay_one(pg: Any) -> None:
+    """put_first on PostgreSQL: prepare claims without reading first, so a fresh attempt is
+    a claim and a complete (it was a read, a claim and a complete) and a replay is the
+    claim alone, answered with the record it found."""
+    fence = EffectFence(FenceConfig(auto_sweep=False), store=pg)
+    fence.commit(fence.prepare(req("warm")).ticket, {"charge_id": "ch_0"})  # pool, schema
+    sent: list[bytes] = []
+    execute = pg._execute
+
+    def spy(conn: Any, query: Any, params: Any) -> Any:
+        sent.append(query)
+        return execute(conn, query, params)
+
+    pg._execute = spy
+    cert = fence.commit(fence.prepare(req()).ticket, {"charge_id": "ch_1"})
+    assert len(sent) == 2 and b"claim(" in sent[0] and b"complete(" in sent[1], sent
+    sent.clear()
+    again = fence.prepare(req(agent="b"))
+    assert not again.fresh and again.cert.hash == cert.hash
+    assert len(sent) == 1 and b"claim(" in sent[0], sent
 
 
 def _catch(fn: Callable[[], Any]) -> Any:

@@ -157,11 +157,12 @@ class FenceStore(ABC):
     #: True when the store is shared with other processes: waiting duplicates cannot rely on
     #: the fence's in-process wake-ups alone and ask :meth:`wait_for_change`
     shared: bool = False
-    #: True when a claim that finds a record costs no more than a read (it writes nothing
-    #: durable and holds no lock past itself: Redis). ``prepare`` then claims first, as if
-    #: the slot were empty, and judges the record a MOVED claim found at the claim's ``now``
-    #: (:attr:`Step.now`): a fresh attempt is a claim and a complete, two round trips. A
-    #: store where an attempted claim costs a write lock or a row lock reads first.
+    #: True when a claim that finds a record costs about what a read costs (it writes
+    #: nothing durable and holds no lock past itself: Redis, PostgreSQL). ``prepare`` then
+    #: claims first, as if the slot were empty, and judges the record a MOVED claim found at
+    #: the claim's ``now`` (:attr:`Step.now`): a fresh attempt is a claim and a complete, two
+    #: round trips. A store where an attempted claim costs the write lock (SQLite) reads
+    #: first.
     put_first: bool = False
 
     def fingerprint_of(self, payload: bytes) -> bytes:
