@@ -10,6 +10,7 @@ outside the store, opened O_APPEND by every process.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import signal
 import sqlite3
@@ -826,6 +827,31 @@ def _no_statements(store: SQLiteStore) -> None:
     store._query = refuse  # type: ignore[method-assign]
 
 
+def test_a_kept_replay_reads_the_header_from_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replay served from the read cache compares the WAL-index header read from a map of
+    the ``-shm`` file's first page: no statement, and no system call (a pread was ~0.55 us
+    of a ~4 us replay)."""
+    store = SQLiteStore(str(tmp_path / "t.db"))
+    fence = EffectFence(FenceConfig(auto_sweep=False), store=store)
+    try:
+        cert = fence.commit(fence.prepare(req()).ticket, "r")
+        assert fence.prepare(req(agent="b")).cert.hash == cert.hash  # kept
+
+        def no_pread(*args: Any) -> Any:
+            raise AssertionError("the header was read with a system call")
+
+        monkeypatch.setattr(os, "pread", no_pread)
+        _no_statements(store)
+        for agent in "cde":
+            again = fence.prepare(req(agent=agent))
+            assert not again.fresh and again.cert.hash == cert.hash
+    finally:
+        monkeypatch.undo()
+        store.close()
+
+
 def test_a_commit_here_carries_the_kept_reads_over_to_the_header_it_wrote(
     tmp_path: Path,
 ) -> None:
@@ -1200,12 +1226,17 @@ def test_a_torn_or_missing_wal_header_means_the_statement_runs(tmp_path: Path) -
         for header in (good[:48] + bytes(48), uninitialised * 2, good[:60], b""):
             fake.write_bytes(header)
             fd = os.open(fake, os.O_RDONLY)
-            store._shm = fd
+            # read from a map of it where one can be made (96 bytes), else with pread
+            mapped = mmap.mmap(fd, 96, prot=mmap.PROT_READ) if len(header) == 96 else None
+            store._shm, store._mapped = fd, mapped
             try:
                 assert store._wal_header() is None, header
                 assert store.read("charge:1")[0] is None  # read by the statement, unharmed
                 assert store._kept.header != header, "kept under a torn header"
             finally:
+                store._mapped = None
+                if mapped is not None:
+                    mapped.close()
                 os.close(fd)
     finally:
         store._shm = -1

@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import mmap
 import os
 import secrets
 import sqlite3
@@ -133,6 +134,11 @@ def _writer_lock(path: str) -> threading.RLock:
 #: file SQLite uses: closing ANY descriptor of a file drops every POSIX lock this process
 #: holds on it, SQLite's WAL locks included (its own ``unixInodeInfo`` exists for this).
 _SHM_FDS: dict[str, int] = {}
+#: The first page of each such file, mapped: a replay reads the header from memory instead
+#: of a pread, which was ~0.55 us of a ~4 us cached replay. Kept exactly as long as its
+#: descriptor: Python's mmap holds a duplicate of it, and closing that would drop the locks
+#: as surely as closing the descriptor itself.
+_SHM_MAPS: dict[int, mmap.mmap] = {}
 _SHM_LOCK = threading.Lock()
 
 
@@ -150,6 +156,9 @@ def _shm_fd(path: str) -> int:
             if (kept.st_dev, kept.st_ino) == (now.st_dev, now.st_ino):
                 return fd
             del _SHM_FDS[path]
+            stale = _SHM_MAPS.pop(fd, None)
+            if stale is not None:
+                stale.close()  # a file SQLite no longer uses: no lock of its to lose
             os.close(fd)
         fd = os.open(shm, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         opened = os.fstat(fd)
@@ -158,6 +167,20 @@ def _shm_fd(path: str) -> int:
             raise FileNotFoundError(shm)
         _SHM_FDS[path] = fd
         return fd
+
+
+def _shm_map(fd: int) -> mmap.mmap | None:
+    """The header's page of the ``-shm`` file behind ``fd`` (see :data:`_SHM_MAPS`); None
+    where it cannot be mapped (then the header is read with pread)."""
+    with _SHM_LOCK:
+        mapped = _SHM_MAPS.get(fd)
+        if mapped is None:
+            try:
+                mapped = mmap.mmap(fd, _WAL_HEADER, mmap.MAP_SHARED, mmap.PROT_READ)
+            except (OSError, ValueError, AttributeError):  # too short, or no such mmap here
+                return None
+            _SHM_MAPS[fd] = mapped
+        return mapped
 
 
 def _whole(header: bytes) -> bool:
@@ -408,6 +431,7 @@ class SQLiteStore(FenceStore):
         self._wrote: dict[str, IntentRecord | None] = {}  # by the steps of one transaction
         self._ticked: tuple[float, float] | None = None  # its last (clock_offset, clock_last)
         self._shm: int | None = None  # fd of the -shm file; -1: no read cache here
+        self._mapped: mmap.mmap | None = None  # its header's page (see _SHM_MAPS)
         self._keeper: sqlite3.Connection | None = None
         self._key: bytes | None = None
         self._key_lock = _fork.lock()
@@ -545,6 +569,7 @@ class SQLiteStore(FenceStore):
             self._queue = []  # the parent's threads' steps: theirs to run, never ours
             # the parent's keeper holds no lock for us: open our own before reading -shm
             self._keeper, self._shm, self._kept = None, None, _Kept(None, 0.0, 0.0, {})
+            self._mapped = None
             self._fork = _fork.generation()
 
     def _unavailable(self, op: str, exc: BaseException | str) -> StoreUnavailable:
@@ -1025,9 +1050,12 @@ class SQLiteStore(FenceStore):
             fd = self._open_shm()
         if fd < 0:
             return None
+        mapped = self._mapped
         try:
+            if mapped is not None:
+                return mapped[:_WAL_HEADER]
             return os.pread(fd, _WAL_HEADER, 0)
-        except OSError:
+        except (OSError, ValueError):  # ValueError: a map closed since (see _shm_fd)
             return None
 
     def _open_shm(self) -> int:
@@ -1054,6 +1082,7 @@ class SQLiteStore(FenceStore):
                 fd = _shm_fd(self._real)
             except (OSError, sqlite3.Error):
                 return -1  # tried again on the next read
+            self._mapped = _shm_map(fd)
             self._shm = fd
             return fd
 
@@ -1519,6 +1548,7 @@ class SQLiteStore(FenceStore):
             self._closed = True
             keeper, idle, self._free = self._keeper, self._free, []
             self._shm, self._keeper = -1, None  # the descriptor stays open: see _SHM_FDS
+            self._mapped = None
         if keeper is not None:
             self._drop(keeper)
         while True:  # one by one: a caller that took one from the old list just now keeps it
