@@ -358,13 +358,25 @@ def test_pg_idle_connections_cut_before_a_step_cost_a_reconnect(pg: Any) -> None
     fence = EffectFence(store=pg)
     fence.prepare(req("warm"))  # the pool holds a connection
     with _pg_admin() as admin:
-        n = admin.execute(
-            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-            "WHERE application_name = '' AND backend_type = 'client backend' AND pid IN "
-            "(SELECT pid FROM pg_stat_activity WHERE query LIKE %s)",
-            (f'%"{pg.schema}"%',),
-        ).fetchone()[0]
-    assert n >= 1
+        pids = [
+            r[0]
+            for r in admin.execute(
+                "SELECT pid, pg_terminate_backend(pid) FROM pg_stat_activity WHERE "
+                "application_name = '' AND backend_type = 'client backend' AND query LIKE %s",
+                (f'%"{pg.schema}"%',),
+            ).fetchall()
+        ]
+        assert pids
+        # pg_terminate_backend only signals: the cut is done once the backends are gone
+        # (a statement sent before that is cut mid-step, which is another test's case)
+        until(
+            lambda: (
+                not admin.execute(
+                    "SELECT 1 FROM pg_stat_activity WHERE pid = ANY(%s)", (pids,)
+                ).fetchall()
+            ),
+            "the backends gone",
+        )
     adm = fence.prepare(req())  # not StoreUnavailable: the dead connection was never used
     assert adm.fresh
 
