@@ -261,6 +261,42 @@ def test_pg_reply_lost_after_commit_is_not_a_lie(pg: Any) -> None:
     assert len(list(pg.certs("order:777"))) == 1
 
 
+def test_pg_a_claim_that_lost_its_reply_answers_only_what_it_cannot_have_made(pg: Any) -> None:
+    """prepare claims first, so a replay's one statement is the claim. When its reply is
+    lost, a re-read that finds the intent done answers (a claim never makes a done record):
+    the replay still replays, as when prepare read first and the read was retried. A
+    record in flight may be the lost claim's own, so that stays store_unavailable (its
+    lease lapses like a crashed holder's), and nothing runs twice."""
+    import psycopg
+
+    fence = EffectFence(FenceConfig(auto_sweep=False), store=pg)
+    cert = fence.commit(fence.prepare(req()).ticket, "ok")
+    real = pg._execute
+    lost: list[Any] = []
+
+    def lose_reply(conn: Any, query: Any, params: Any) -> Any:
+        rows = real(conn, query, params)
+        if query is pg._q_claim_first and not lost:
+            lost.append(query)
+            conn.close()
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return rows
+
+    pg._execute = lose_reply
+    try:
+        again = fence.prepare(req(agent="b"))
+        assert lost, "the claim's reply was lost"
+        assert not again.fresh and again.cert.hash == cert.hash
+        lost.clear()
+        got = _catch(lambda: fence.prepare(req("charge:2")))
+        assert lost
+    finally:
+        pg._execute = real
+    assert isinstance(got, StoreUnavailable), got
+    rec = pg.get("charge:2")
+    assert rec is not None and rec.state is State.IN_FLIGHT  # it applied; nobody holds it
+
+
 def test_pg_a_version_2_process_commits_after_the_schema_is_upgraded(
     pg: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -439,14 +475,26 @@ def test_pg_a_claim_that_finds_a_record_reads_it_without_a_lock(pg: Any) -> None
     ), "nothing written"
 
 
+#: the three forms of a claim of an empty slot: plain, with a read set, with an expected seq
+CLAIM_FORMS = ("plain", "read_set", "expected_seq")
+
+
 @contextlib.contextmanager
-def _prepare_waiting_on_an_insert(pg: Any) -> Iterator[tuple[Any, list[Any]]]:
-    """A prepare of ``charge:1`` waiting on another transaction that inserted the intent
-    and holds it open (yielded, with where the prepare's answer lands once it is let go)."""
+def _prepare_waiting_on_an_insert(pg: Any, form: str) -> Iterator[tuple[Any, list[Any]]]:
+    """A prepare of ``charge:1`` (in the claim ``form``) waiting on another transaction
+    that inserted the intent and holds it open (yielded, with where the prepare's answer
+    lands once it is let go)."""
     import psycopg
 
     fence = EffectFence(FenceConfig(auto_sweep=False), store=pg)
     fence.commit(fence.prepare(req("other")).ticket, "x")  # the domain row exists
+    fence.commit(fence.prepare(req("read", domain="ledger:1")).ticket, "x")
+    extra: dict[str, Any] = {
+        "plain": {},
+        "read_set": {"read_set": (("ledger:1", pg.current("ledger:1")),)},
+        "expected_seq": {"expected_seq": pg.current("order:777")},
+    }[form]
+    request = EffectRequest("charge:1", "order:777", "charge", {"cents": 77700}, "a", **extra)
     holder = psycopg.connect(PG_DSN)
     holder.execute(
         f'INSERT INTO "{pg.schema}".intents (intent, state, token, fingerprint, domain, agent, '
@@ -455,7 +503,7 @@ def _prepare_waiting_on_an_insert(pg: Any) -> Iterator[tuple[Any, list[Any]]]:
         f"reclaim_at FROM \"{pg.schema}\".intents WHERE intent = 'other'"
     )
     got: list[Any] = []
-    t = threading.Thread(target=lambda: got.append(_catch(lambda: fence.prepare(req()))))
+    t = threading.Thread(target=lambda: got.append(_catch(lambda: fence.prepare(request))))
     t.start()
     try:
         with _pg_admin() as admin:
@@ -467,30 +515,35 @@ def _prepare_waiting_on_an_insert(pg: Any) -> Iterator[tuple[Any, list[Any]]]:
         t.join(timeout=30)
 
 
-def test_pg_a_claim_takes_the_slot_before_the_domain(pg: Any) -> None:
+@pytest.mark.parametrize("form", CLAIM_FORMS)
+def test_pg_a_claim_takes_the_slot_before_the_domain(pg: Any, form: str) -> None:
     """Lock order: every step that finds a record holds its row, then its domain. A claim of
     an empty slot that took the domain first and then waited on the intent's key (another
     transaction inserting it, or a commit of it adding a key entry) deadlocked with that
     transaction as soon as it wanted the domain; PostgreSQL broke it after a second. Here a
     transaction inserts the intent and holds it while a claim of it waits: the domain must
-    still be free."""
-    with _prepare_waiting_on_an_insert(pg) as (holder, got):
+    still be free, and so must the domains of its read set."""
+    with _prepare_waiting_on_an_insert(pg, form) as (holder, got):
         free = _catch(
             lambda: holder.execute(
-                f'SELECT 1 FROM "{pg.schema}".domains WHERE domain = %s FOR NO KEY UPDATE NOWAIT',
-                ("order:777",),
+                f'SELECT 1 FROM "{pg.schema}".domains WHERE domain = ANY(%s) '
+                "FOR NO KEY UPDATE NOWAIT",
+                (["order:777", "ledger:1"],),
             )
         )
     assert not isinstance(free, BaseException), f"the waiting claim held the domain: {free}"
     assert len(got) == 1 and getattr(got[0], "fresh", False), got
 
 
-def test_pg_a_claim_that_waited_draws_its_token_after_the_one_it_waited_for(pg: Any) -> None:
+@pytest.mark.parametrize("form", CLAIM_FORMS)
+def test_pg_a_claim_that_waited_draws_its_token_after_the_one_it_waited_for(
+    pg: Any, form: str
+) -> None:
     """Fencing tokens grow: a claim whose insert waited for another transaction holding the
     intent (here one that claims it, draws a token, and clears it again) must draw its own
     token after that one's. Drawn before the wait, it came out smaller (seen by the
     linearizability test: fresh 9, cleared, then fresh 8 for the same intent)."""
-    with _prepare_waiting_on_an_insert(pg) as (holder, got):
+    with _prepare_waiting_on_an_insert(pg, form) as (holder, got):
         row = holder.execute(f"SELECT nextval('\"{pg.schema}\".tokens')").fetchone()
         assert row is not None
         drawn = row[0]

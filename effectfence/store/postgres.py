@@ -280,26 +280,23 @@ BEGIN
           FROM {s}.intents i WHERE i.intent = p_intent;
         IF FOUND THEN RETURN; END IF;
         have := false;
-        -- Nothing compared, no seq asked for: take the slot before the domain. Every step
-        -- that finds the record holds its row and then its domain; a claim holding the
-        -- domain while its insert waits on a commit of the same intent (a non-HOT update
-        -- adds a key entry) deadlocked with that commit, and each deadlock cost a second.
-        -- The token is drawn once the slot is ours: an insert that waited for another
-        -- claim of the intent, then for a clear of it, must not hand out a token drawn
-        -- before that claim's (fencing tokens grow). The lease may start before the wait,
-        -- but after the caller started counting it: it never ends before the caller was
-        -- told it would.
-        IF cardinality(p_cmp_domains) = 0 AND p_reserve_at IS NULL THEN
-            first := true;
-            r_now := {s}.now_(p_now);
-            INSERT INTO {s}.intents ({f}) VALUES (p_intent, 'in_flight', 0, p_fp,
-                p_domain, p_agent, {s}.deadline_(r_now + p_lease_ttl), NULL, 0, '', 0, 0,
-                {s}.deadline_(r_now + p_reclaim_after))
-            ON CONFLICT (intent) DO NOTHING;
-            IF NOT FOUND THEN  -- taken since: rolled back whole, reported MOVED
-                RAISE EXCEPTION USING ERRCODE = 'EF001', MESSAGE = 'effectfence: slot taken';
-            END IF;
+        -- Take the slot before any domain. Every step that finds the record holds its row,
+        -- then domains; a claim holding a domain while its insert waited on a commit of the
+        -- same intent (a non-HOT update adds a key entry) deadlocked with that commit, and
+        -- each deadlock cost a second. The token is drawn once the slot is held (at the
+        -- end): an insert that waited for another claim of the intent, then for a clear of
+        -- it, must not hand out a token drawn before that claim's (fencing tokens grow).
+        -- The lease may start before a wait, but after the caller started counting it: it
+        -- never ends before the caller was told it would. A refusal below deletes the row.
+        r_now := {s}.now_(p_now);
+        INSERT INTO {s}.intents ({f}) VALUES (p_intent, 'in_flight', 0, p_fp,
+            p_domain, p_agent, {s}.deadline_(r_now + p_lease_ttl), NULL, 0, '', 0, 0,
+            {s}.deadline_(r_now + p_reclaim_after))
+        ON CONFLICT (intent) DO NOTHING;
+        IF NOT FOUND THEN  -- taken since: rolled back whole, reported MOVED
+            RAISE EXCEPTION USING ERRCODE = 'EF001', MESSAGE = 'effectfence: slot taken';
         END IF;
+        first := true;
     ELSE
         SELECT * INTO cur FROM {s}.intents WHERE intent = p_intent FOR UPDATE;
         have := FOUND;
@@ -325,7 +322,10 @@ BEGIN
         SELECT c.s_domain, c.s_want, c.s_got INTO s_domain, s_want, s_got
           FROM {s}.compare_(p_cmp_domains, p_cmp_seqs) c;
     END IF;
-    IF s_domain IS NOT NULL THEN r_now := {s}.now_(p_now); outcome := 'stale'; RETURN; END IF;
+    IF s_domain IS NOT NULL THEN
+        IF first THEN DELETE FROM {s}.intents WHERE intent = p_intent; END IF;
+        r_now := {s}.now_(p_now); outcome := 'stale'; RETURN;
+    END IF;
     -- condition 3, reserve: compare-exchange at p_reserve_at, else the next seq
     WHILE NOT done LOOP
         SELECT seq, head, clock INTO v_seq, h_hash, h_clock FROM {s}.domains
@@ -333,6 +333,7 @@ BEGIN
         IF FOUND THEN
             IF p_reserve_at IS NOT NULL AND v_seq <> p_reserve_at THEN
                 outcome := 'race'; s_domain := p_domain; s_want := p_reserve_at; s_got := v_seq;
+                IF first THEN DELETE FROM {s}.intents WHERE intent = p_intent; END IF;
                 r_now := {s}.now_(p_now); RETURN;
             END IF;
             UPDATE {s}.domains SET seq = v_seq + 1 WHERE domain = p_domain;
@@ -343,6 +344,7 @@ BEGIN
             IF p_reserve_at IS NOT NULL AND v_floor <> p_reserve_at THEN
                 -- lost without creating the domain (G7)
                 outcome := 'race'; s_domain := p_domain; s_want := p_reserve_at; s_got := v_floor;
+                IF first THEN DELETE FROM {s}.intents WHERE intent = p_intent; END IF;
                 r_now := {s}.now_(p_now); RETURN;
             END IF;
             INSERT INTO {s}.domains (domain, seq) VALUES (p_domain, v_floor + 1)
@@ -354,31 +356,17 @@ BEGIN
             END IF;
         END IF;
     END LOOP;
-    IF first THEN  -- the slot is ours already: its token and seq (not indexed: HOT update)
-        r_token := nextval('{s}.tokens');
-        UPDATE {s}.intents SET token = r_token, seq = r_seq WHERE intent = p_intent;
-        PERFORM {s}.changed_(p_intent);
-        outcome := 'applied'; RETURN;
-    END IF;
     r_token := nextval('{s}.tokens');
-    r_now := {s}.now_(p_now);
-    IF have THEN
+    IF first THEN  -- the slot is ours already: its token and seq (not indexed: HOT update)
+        UPDATE {s}.intents SET token = r_token, seq = r_seq WHERE intent = p_intent;
+    ELSE  -- the record condition 1 found and holds (FOR UPDATE), taken over
+        r_now := {s}.now_(p_now);
         UPDATE {s}.intents SET state = 'in_flight', token = r_token, fingerprint = p_fp,
             domain = p_domain, agent = p_agent,
             lease_until = {s}.deadline_(r_now + p_lease_ttl), cert = NULL, until = 0,
             reason = '', since = 0, seq = r_seq,
             reclaim_at = {s}.deadline_(r_now + p_reclaim_after)
          WHERE intent = p_intent;
-    ELSE
-        INSERT INTO {s}.intents ({f}) VALUES (p_intent, 'in_flight', r_token, p_fp, p_domain,
-            p_agent, {s}.deadline_(r_now + p_lease_ttl), NULL, 0, '', 0, r_seq,
-            {s}.deadline_(r_now + p_reclaim_after))
-        ON CONFLICT (intent) DO NOTHING;
-        IF NOT FOUND THEN
-            -- another claim inserted it first (condition 1 judged the slot empty): undo this
-            -- reservation by raising, which rolls the whole statement back, and report
-            RAISE EXCEPTION USING ERRCODE = 'EF001', MESSAGE = 'effectfence: slot taken';
-        END IF;
     END IF;
     PERFORM {s}.changed_(p_intent);
     outcome := 'applied';
@@ -1168,6 +1156,10 @@ class PostgresStore(FenceStore):
         except _Lost as exc:
             # the claim may have applied and lost its reply; its lease lapses like a crashed
             # holder's, and this caller runs nothing
+            if expect is None:
+                finished = self._finished(intent)
+                if finished is not None:
+                    return finished
             raise self._unavailable("claim", exc) from exc
         outcome, now = row[0], row[15]  # every outcome carries the server's clock
         found = self._found(intent, row, 1)
@@ -1195,6 +1187,20 @@ class PostgresStore(FenceStore):
         )
         head = EMPTY_HEAD if row[16] is None else Head(row[16], row[17] or {})
         return Step(APPLIED, rec, found, head, now=now)
+
+    def _finished(self, intent: str) -> Step | None:
+        """After a claim expecting an empty slot lost its connection: a finished record
+        (done or failed) is not one that claim could have made, so it is an answer (MOVED,
+        at a fresh read's clock), as a replay's read lost the same way was retried when
+        prepare read first. Nothing there, or a record in flight (perhaps the lost claim's
+        own): None, and the claim is unavailable."""
+        try:
+            rec, now = self.read(intent)
+        except StoreUnavailable:
+            return None
+        if rec is None or rec.state is State.IN_FLIGHT:
+            return None
+        return Step(MOVED, found=rec, now=now)
 
     def complete(
         self,
