@@ -852,6 +852,60 @@ def test_a_kept_replay_reads_the_header_from_memory(
         store.close()
 
 
+_MAP_FAILS = r"""
+import json, os, resource, sqlite3, sys
+from effectfence.store.sqlite import SQLiteStore
+
+path = sys.argv[1]
+store = SQLiteStore(path)
+other = sqlite3.connect(path, isolation_level=None)  # a read transaction: a read-mark lock
+other.execute("BEGIN")
+other.execute("SELECT count(*) FROM intents").fetchall()
+
+def locks():
+    ino = os.stat(path + "-shm").st_ino
+    held = []
+    for line in open("/proc/locks"):
+        f = line.split()
+        if f[1] == "POSIX" and int(f[4]) == os.getpid() and int(f[5].split(":")[2]) == ino:
+            held.append((f[3], f[6], f[7]))
+    return sorted(held)
+
+store._keeper = store._open_conn()
+store._all.append(store._keeper)
+store._keeper.execute("SELECT 1 FROM fence").fetchall()
+before = locks()
+size = int([x for x in open("/proc/self/status") if x.startswith("VmSize")][0].split()[1])
+soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+resource.setrlimit(resource.RLIMIT_AS, (size * 1024, hard))  # no room for another map
+try:
+    header = store._raw_header()
+finally:
+    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+print(json.dumps([store._mapped is None, len(header or b""), before, locks()]))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/locks").exists(), reason="reads /proc/locks (Linux)")
+def test_a_header_that_cannot_be_mapped_leaves_sqlites_locks_held(tmp_path: Path) -> None:
+    """Closing any descriptor of the ``-shm`` file drops every POSIX lock the process holds
+    on it, SQLite's own. Python's mmap keeps a duplicate descriptor and closes it when the
+    map fails (and when it is collected): mapping the header with it dropped the DMS and
+    read-mark locks of live connections once mmap(2) failed, here forced with RLIMIT_AS.
+    The header is mapped on the kept descriptor itself, so a failure only means pread."""
+    out = subprocess.run(
+        [sys.executable, "-c", _MAP_FAILS, str(tmp_path / "t.db")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=str(Path(__file__).resolve().parent.parent),
+    )
+    assert out.returncode == 0, out.stderr
+    unmapped, read, before, after = json.loads(out.stdout)
+    assert unmapped and read == 96, out.stdout  # the map failed; pread read the header
+    assert before and after == before, "the store's failed map dropped SQLite's locks"
+
+
 def test_a_commit_here_carries_the_kept_reads_over_to_the_header_it_wrote(
     tmp_path: Path,
 ) -> None:

@@ -49,7 +49,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import mmap
 import os
 import secrets
 import sqlite3
@@ -134,11 +133,13 @@ def _writer_lock(path: str) -> threading.RLock:
 #: file SQLite uses: closing ANY descriptor of a file drops every POSIX lock this process
 #: holds on it, SQLite's WAL locks included (its own ``unixInodeInfo`` exists for this).
 _SHM_FDS: dict[str, int] = {}
-#: The first page of each such file, mapped: a replay reads the header from memory instead
-#: of a pread, which was ~0.55 us of a ~4 us cached replay. Kept exactly as long as its
-#: descriptor: Python's mmap holds a duplicate of it, and closing that would drop the locks
-#: as surely as closing the descriptor itself.
-_SHM_MAPS: dict[int, mmap.mmap] = {}
+#: The header of each such file, mapped (mmap(2) on that descriptor itself, read-only,
+#: shared): a replay reads it from memory instead of with a pread, which was ~0.55 us of a
+#: ~4 us cached replay. Not Python's ``mmap``: it keeps a duplicate of the descriptor and
+#: closes it when a map fails, is collected or the interpreter exits, dropping the locks
+#: as surely as closing the descriptor itself would. A page is never unmapped (a reader
+#: may still hold it); it is only forgotten when its descriptor is closed.
+_SHM_PAGES: dict[int, Any] = {}
 _SHM_LOCK = threading.Lock()
 
 
@@ -156,9 +157,7 @@ def _shm_fd(path: str) -> int:
             if (kept.st_dev, kept.st_ino) == (now.st_dev, now.st_ino):
                 return fd
             del _SHM_FDS[path]
-            stale = _SHM_MAPS.pop(fd, None)
-            if stale is not None:
-                stale.close()  # a file SQLite no longer uses: no lock of its to lose
+            _SHM_PAGES.pop(fd, None)  # the number may be reused; the old page stays mapped
             os.close(fd)
         fd = os.open(shm, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         opened = os.fstat(fd)
@@ -169,18 +168,44 @@ def _shm_fd(path: str) -> int:
         return fd
 
 
-def _shm_map(fd: int) -> mmap.mmap | None:
-    """The header's page of the ``-shm`` file behind ``fd`` (see :data:`_SHM_MAPS`); None
-    where it cannot be mapped (then the header is read with pread)."""
+def _shm_map(fd: int) -> Any:
+    """The header of the ``-shm`` file behind ``fd``, mapped (see :data:`_SHM_PAGES`): a
+    ctypes array whose slice is the header's bytes. None where it cannot be mapped (then
+    the header is read with pread)."""
     with _SHM_LOCK:
-        mapped = _SHM_MAPS.get(fd)
-        if mapped is None:
-            try:
-                mapped = mmap.mmap(fd, _WAL_HEADER, mmap.MAP_SHARED, mmap.PROT_READ)
-            except (OSError, ValueError, AttributeError):  # too short, or no such mmap here
+        page = _SHM_PAGES.get(fd)
+        if page is None:
+            page = _map_header(fd)
+            if page is None:
                 return None
-            _SHM_MAPS[fd] = mapped
-        return mapped
+            _SHM_PAGES[fd] = page
+        return page
+
+
+def _map_header(fd: int) -> Any:
+    try:
+        import ctypes
+        import mmap  # its constants only: no map object, no duplicate descriptor
+
+        if os.fstat(fd).st_size < _WAL_HEADER:
+            return None  # a page past the end of the file would fault (SIGBUS) when read
+        libc = ctypes.CDLL(None, use_errno=True)
+        mmap_ = libc.mmap
+        mmap_.restype = ctypes.c_void_p
+        mmap_.argtypes = (
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        )
+        addr = mmap_(None, _WAL_HEADER, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr is None or addr == ctypes.c_void_p(-1).value:  # MAP_FAILED
+            return None
+        return (ctypes.c_char * _WAL_HEADER).from_address(addr)
+    except (ImportError, OSError, AttributeError, ValueError):  # no ctypes, libc or mmap here
+        return None
 
 
 def _whole(header: bytes) -> bool:
@@ -431,7 +456,7 @@ class SQLiteStore(FenceStore):
         self._wrote: dict[str, IntentRecord | None] = {}  # by the steps of one transaction
         self._ticked: tuple[float, float] | None = None  # its last (clock_offset, clock_last)
         self._shm: int | None = None  # fd of the -shm file; -1: no read cache here
-        self._mapped: mmap.mmap | None = None  # its header's page (see _SHM_MAPS)
+        self._mapped: Any = None  # its header, mapped (see _SHM_PAGES)
         self._keeper: sqlite3.Connection | None = None
         self._key: bytes | None = None
         self._key_lock = _fork.lock()
@@ -1051,11 +1076,12 @@ class SQLiteStore(FenceStore):
         if fd < 0:
             return None
         mapped = self._mapped
+        if mapped is not None:
+            header: bytes = mapped[:_WAL_HEADER]  # a mapped page: no system call
+            return header
         try:
-            if mapped is not None:
-                return mapped[:_WAL_HEADER]
             return os.pread(fd, _WAL_HEADER, 0)
-        except (OSError, ValueError):  # ValueError: a map closed since (see _shm_fd)
+        except OSError:
             return None
 
     def _open_shm(self) -> int:
