@@ -13,17 +13,19 @@ Design
   (one row: the eviction floor), ``certs`` (append-only audit trail, written by the same
   statement as the commit), ``audit`` (operator clears, written by the clearing statement),
   ``meta`` (schema version, store id, sealing key), ``watch`` (intents a waiter is blocked
-  on). Fencing tokens come from a sequence. Created on first use, under an advisory lock;
-  versioned.
-- Locks, always in this order: the intent's row (``FOR UPDATE``), then domain rows in name
-  order (the claim's read set ``FOR SHARE``, its own domain ``FOR NO KEY UPDATE``), then
-  the ``fence`` row (only to create a domain, or to evict one). One order, no deadlock
-  between steps; ``evict_domain`` takes the fence row first and may meet a claim's read-set
-  lock the other way round, so a deadlock (or serialization) abort, which applied nothing, is
-  retried.
-- Time: ``clock_timestamp()``, read inside the step after its locks are held; never a
-  client's clock. ``clock=`` replaces it with a parameter of every statement: it exists for
-  tests (a fake clock drives leases without sleeping), never for production.
+  on). Fencing tokens come from a sequence, drawn once the claim holds the slot. Created
+  on first use, under an advisory lock; versioned.
+- Locks, always in this order: the intent's row (``FOR UPDATE``; a claim of an empty slot
+  inserts it, first), then domain rows in name order (the claim's read set ``FOR SHARE``,
+  its own domain ``FOR NO KEY UPDATE``), then the ``fence`` row (only to create a domain,
+  or to evict one). One order, no deadlock between steps; ``evict_domain`` takes the fence
+  row first and may meet a claim's read-set lock the other way round, so a deadlock (or
+  serialization) abort, which applied nothing, is retried.
+- Time: ``clock_timestamp()``, read inside the step after its locks are held (a claim of
+  an empty slot reads it before its insert, which may wait: its lease can start early,
+  never later than its caller counts); never a client's clock. ``clock=`` replaces it
+  with a parameter of every statement: it exists for tests (a fake clock drives leases
+  without sleeping), never for production.
 - Sweeps cost O(expired): a partial index on ``reclaim_at`` holds only finite deadlines.
 - ``wait_for_change``: waiters ``LISTEN`` on one dedicated connection per store object and
   register the intent in ``watch``, in the statement that reads it (``watch_``); a
