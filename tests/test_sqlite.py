@@ -854,13 +854,17 @@ def test_a_kept_replay_reads_the_header_from_memory(
 
 _MAP_FAILS = r"""
 import json, os, resource, sqlite3, sys
-from effectfence.store.sqlite import SQLiteStore
+from effectfence.store import sqlite as S
 
 path = sys.argv[1]
-store = SQLiteStore(path)
+store = S.SQLiteStore(path)
 other = sqlite3.connect(path, isolation_level=None)  # a read transaction: a read-mark lock
 other.execute("BEGIN")
 other.execute("SELECT count(*) FROM intents").fetchall()
+store._keeper = store._open_conn()  # what the first cached read opens
+store._all.append(store._keeper)
+store._keeper.execute("SELECT 1 FROM fence").fetchall()
+fd = S._shm_fd(store._real)
 
 def locks():
     ino = os.stat(path + "-shm").st_ino
@@ -871,18 +875,16 @@ def locks():
             held.append((f[3], f[6], f[7]))
     return sorted(held)
 
-store._keeper = store._open_conn()
-store._all.append(store._keeper)
-store._keeper.execute("SELECT 1 FROM fence").fetchall()
 before = locks()
 size = int([x for x in open("/proc/self/status") if x.startswith("VmSize")][0].split()[1])
 soft, hard = resource.getrlimit(resource.RLIMIT_AS)
 resource.setrlimit(resource.RLIMIT_AS, (size * 1024, hard))  # no room for another map
 try:
-    header = store._raw_header()
+    page = S._shm_map(fd)  # only the map, under the limit
 finally:
     resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-print(json.dumps([store._mapped is None, len(header or b""), before, locks()]))
+header = store._raw_header()  # pread, as the map failed
+print(json.dumps([page is None, len(header or b""), before, locks()]))
 """
 
 

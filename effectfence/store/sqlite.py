@@ -182,17 +182,17 @@ def _shm_map(fd: int) -> Any:
         return page
 
 
-def _map_header(fd: int) -> Any:
+def _bind_mmap() -> tuple[Any, Any, int] | None:
+    """mmap(2) through ctypes, the array type of a header over a mapped page, and
+    MAP_FAILED; bound once, at import (ctypes imported later, under memory pressure, was
+    seen to fail with MemoryError). None where there is no ctypes, libc or mmap."""
     try:
         import ctypes
         import mmap  # its constants only: no map object, no duplicate descriptor
 
-        if os.fstat(fd).st_size < _WAL_HEADER:
-            return None  # a page past the end of the file would fault (SIGBUS) when read
-        libc = ctypes.CDLL(None, use_errno=True)
-        mmap_ = libc.mmap
-        mmap_.restype = ctypes.c_void_p
-        mmap_.argtypes = (
+        call = ctypes.CDLL(None, use_errno=True).mmap
+        call.restype = ctypes.c_void_p
+        call.argtypes = (
             ctypes.c_void_p,
             ctypes.c_size_t,
             ctypes.c_int,
@@ -200,11 +200,32 @@ def _map_header(fd: int) -> Any:
             ctypes.c_int,
             ctypes.c_long,
         )
-        addr = mmap_(None, _WAL_HEADER, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if addr is None or addr == ctypes.c_void_p(-1).value:  # MAP_FAILED
+        prot, flags = mmap.PROT_READ, mmap.MAP_SHARED
+
+        def map_page(fd: int) -> Any:
+            return call(None, _WAL_HEADER, prot, flags, fd, 0)
+
+        failed = ctypes.c_void_p(-1).value or -1  # MAP_FAILED, as the call returns it
+        return map_page, ctypes.c_char * _WAL_HEADER, failed
+    except (ImportError, OSError, AttributeError):
+        return None
+
+
+_MMAP = _bind_mmap()
+
+
+def _map_header(fd: int) -> Any:
+    if _MMAP is None:
+        return None
+    map_page, header_array, map_failed = _MMAP
+    try:
+        if os.fstat(fd).st_size < _WAL_HEADER:
+            return None  # a page past the end of the file would fault (SIGBUS) when read
+        addr = map_page(fd)
+        if addr is None or addr == map_failed:
             return None
-        return (ctypes.c_char * _WAL_HEADER).from_address(addr)
-    except (ImportError, OSError, AttributeError, ValueError):  # no ctypes, libc or mmap here
+        return header_array.from_address(addr)
+    except (OSError, ValueError, MemoryError):  # then the header is read with pread
         return None
 
 
