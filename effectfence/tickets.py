@@ -33,7 +33,7 @@ _MAC = re.compile(r"[0-9a-f]{64}")
 class TicketSigner:
     """Seals tickets for the wire and opens them again, refusing any that were altered."""
 
-    __slots__ = ("_key", "_keyed", "_scope")
+    __slots__ = ("_keyed", "_scope")
 
     def __init__(self, key: bytes | None = None, *, scope: str = "") -> None:
         if key is None:
@@ -41,12 +41,11 @@ class TicketSigner:
             key = env.encode() if env else secrets.token_bytes(32)
         if len(key) < 16:
             raise ValueError(f"a ticket key needs at least 16 bytes ({TICKET_KEY_ENV})")
-        self._key = key
         # The store a ticket belongs to is part of what is authenticated: two processes that
         # share a key but not a store (each its own memory) can never honour each other's
         # tickets, whose tokens come from unrelated counters.
         self._scope = scope.encode()
-        # keyed once; each ticket hashes a copy (see _mac)
+        # keyed once, and the key kept nowhere else; each ticket hashes a copy (see _mac)
         self._keyed = hmac.new(key, self._scope + b"\x00", "sha256")
 
     @classmethod
