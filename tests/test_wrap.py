@@ -105,6 +105,50 @@ def test_demo_command_prints_both_counts() -> None:
     assert "6 distinct" in lines[1] and "1 distinct" in lines[2] and "5 replayed" in lines[2]
 
 
+@pytest.mark.parametrize("source", ["devnull", "file"])
+def test_stdin_and_stdout_that_are_not_pipes_are_served_and_the_wrapper_exits(
+    tmp_path: Path, source: str
+) -> None:
+    """``wrap ... < /dev/null`` hung: asyncio took the device for a pipe and epoll refused
+    it. A file of requests (and stdout to a file) is answered; both exit at end of input."""
+    import json
+    import os
+    import subprocess
+
+    requests = tmp_path / "requests.jsonl"
+    init = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "initialize",
+        "params": {
+            "protocolVersion": "2025-06-18",
+            "capabilities": {},
+            "clientInfo": {"name": "file", "version": "1"},
+        },
+    }
+    requests.write_text(json.dumps(init) + "\n")
+    answers = tmp_path / "answers.jsonl"
+    with (
+        open(os.devnull if source == "devnull" else requests, "rb") as stdin,
+        open(answers, "wb") as stdout,
+    ):
+        out = subprocess.run(
+            wrap("memory:", *demo(tmp_path / "ledger.jsonl", delay=0)),
+            stdin=stdin,
+            stdout=stdout,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=20,
+            env={**os.environ, **env()},
+        )
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    got = [json.loads(x) for x in answers.read_text().splitlines()]
+    if source == "devnull":
+        assert got == []
+    else:
+        assert [m["id"] for m in got] == [1] and "serverInfo" in got[0]["result"]
+
+
 # -- a child on the mcp 2.x SDK -------------------------------------------------------------------
 async def test_sdk_clients_of_both_eras_see_the_child_unchanged(tmp_path: Path) -> None:
     """The mcp SDK client, handshake-era and 2026-era, through wrap to a 2.x child: tools

@@ -46,6 +46,7 @@ import datetime
 import hashlib
 import os
 import secrets
+import stat
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -1152,14 +1153,24 @@ def _era_neutral(result: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- stdio plumbing -----------------------------------------------------------------------------
+def _pollable(stream: Any) -> bool:
+    """A pipe, a socket or a terminal goes through the loop. asyncio takes any character
+    device for a pipe, and epoll then refuses some (``/dev/null``: EPERM) in a callback,
+    after which the reader waited forever: ``wrap ... < /dev/null`` hung, never exiting."""
+    fd = stream.fileno()
+    mode = os.fstat(fd).st_mode
+    return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or os.isatty(fd)
+
+
 async def _stdio() -> tuple[asyncio.StreamReader, Callable[[bytes], None]]:
-    """Our stdin as a stream and a writer for stdout. Pipes go through the loop; a regular
-    file or a terminal (``wrap < requests.jsonl``) falls back to a thread or plain writes."""
+    """Our stdin as a stream and a writer for stdout. Pipes, sockets and terminals go
+    through the loop; anything else (``wrap < requests.jsonl``, ``/dev/null``) is read by a
+    thread and written plainly."""
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=LINE_LIMIT)
-    try:
+    if _pollable(sys.stdin.buffer):
         await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin.buffer)
-    except ValueError:
+    else:
 
         def pump() -> None:
             for line in sys.stdin.buffer:
@@ -1168,15 +1179,14 @@ async def _stdio() -> tuple[asyncio.StreamReader, Callable[[bytes], None]]:
 
         loop.run_in_executor(None, pump)
     out = sys.stdout.buffer
-    try:
-        transport, _ = await loop.connect_write_pipe(asyncio.Protocol, out)
-    except ValueError:
+    if not _pollable(out):
 
         def write_sync(data: bytes) -> None:
             out.write(data)
             out.flush()
 
         return reader, write_sync
+    transport, _ = await loop.connect_write_pipe(asyncio.Protocol, out)
 
     def write(data: bytes) -> None:
         if not transport.is_closing():
