@@ -200,6 +200,58 @@ def test_with_tokens_every_page_needs_them(fence: EffectFence) -> None:
         server.stop()
 
 
+def test_a_console_login_ends_with_its_token_and_its_time(
+    fence: EffectFence, tmp_path: Path
+) -> None:
+    """A browser's session is as good as the token it logged in with: revoked (SIGHUP
+    reloads the file) or moved to another principal, the session ends at its next request;
+    it ends after SESSION_TTL anyway; and logins kept are bounded, oldest dropped first."""
+    from effectfence.mcp.http import Principals
+    from effectfence.operator import console as console_module
+
+    tokens = tmp_path / "tokens"
+    other = "another-token-for-the-console-456"
+    tokens.write_text(f"ops {TOKEN}\nbob {other}\n")
+    tokens.chmod(0o600)
+    principals = Principals.load(tokens)
+    now = [1000.0]
+    console = Console(fence, principals=principals, clock=lambda: now[0])
+    host = {"Host": "127.0.0.1:1"}
+
+    def login(token: str = TOKEN) -> dict[str, str]:
+        status, _, _, headers = console.handle("POST", "/login", host, f"token={token}".encode())
+        assert status == 303, status
+        return {**host, "Cookie": dict(headers)["Set-Cookie"].split(";")[0]}
+
+    def status(session: dict[str, str]) -> int:
+        return console.handle("GET", "/api/stats", session, b"")[0]
+
+    session = login()
+    assert status(session) == 200
+    tokens.write_text(f"bob {other}\n")  # ops's token revoked
+    assert principals.reload()["tokens"] == 1
+    assert status(session) == 401, "a revoked token's session still works"
+    tokens.write_text(f"ops {TOKEN}\nbob {other}\n")
+    principals.reload()
+    assert status(session) == 401  # ended, not suspended
+    session = login()
+    tokens.write_text(f"bob {TOKEN}\n")  # the same token, now naming another principal
+    principals.reload()
+    assert status(session) == 401
+    tokens.write_text(f"ops {TOKEN}\n")
+    principals.reload()
+    session = login()
+    now[0] += console_module.SESSION_TTL - 1
+    assert status(session) == 200
+    now[0] += 1
+    assert status(session) == 401, "a login outlived SESSION_TTL"
+    first = login()
+    for _ in range(console_module.MAX_SESSIONS):
+        last = login()
+    assert (status(first), status(last)) == (401, 200)
+    assert len(console._sessions) == console_module.MAX_SESSIONS
+
+
 def test_a_look_only_console_refuses_to_clear(fence: EffectFence) -> None:
     """``allow_clear=False`` (serve --console without --allow-clear): no form, no clear."""
     fence.abort(fence.prepare(req(1)).ticket, "x")  # type: ignore[union-attr]

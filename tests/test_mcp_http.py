@@ -9,6 +9,7 @@ metrics and the decision log say what happened, never with the args.
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import subprocess
@@ -328,6 +329,34 @@ def test_sighup_reloads_the_tokens_and_a_file_that_does_not_parse_changes_nothin
         assert "at least 16" in failed["error"] and failed["kept"] == 2
         assert (status(old), status(new)) == (401, 200)
         assert srv.proc.poll() is None  # a bad file never stops the server
+
+
+@pytest.mark.parametrize("how", ["emptied", "commented out", "deleted", "unreadable"])
+def test_a_reload_that_finds_no_token_revokes_every_token(tmp_path: Path, how: str) -> None:
+    """Revoking the last token is the revocation that matters most: a file that names no
+    token (or is gone) names nobody, instead of keeping the tokens it no longer lists."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"alice {TOKENS['alice']}\n")
+    principals = Principals.load(tokens)
+    bearer = f"Bearer {TOKENS['alice']}"
+    assert principals.authenticate(bearer) == "alice"
+    if how == "emptied":
+        tokens.write_text("")
+    elif how == "commented out":
+        tokens.write_text(f"# alice {TOKENS['alice']}\n")
+    elif how == "deleted":
+        tokens.unlink()
+    else:  # a directory in its place: unreadable, even to root
+        tokens.unlink()
+        tokens.mkdir()
+    said = principals.reload()
+    assert said["event"] == "tokens_reloaded" and said["tokens"] == 0, said
+    assert "refused 401" in said["warning"]
+    assert principals.authenticate(bearer) is None
+    if tokens.is_dir():
+        tokens.rmdir()
+    tokens.write_text(f"alice {TOKENS['alice']}\n")  # named again: works again
+    assert principals.reload()["tokens"] == 1 and principals.authenticate(bearer) == "alice"
 
 
 # -- the operator's clear over HTTP -------------------------------------------------------------

@@ -94,6 +94,14 @@ _HASHED = re.compile(r"sha256:([0-9a-f]{64})")
 _LOOPBACK_NAMES = ("localhost",)
 
 
+class NoTokens(ValueError):
+    """The tokens file names no token, or is gone or unreadable: nobody is named."""
+
+
+def _digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
 class Principals:
     """Bearer tokens and the principals they name, read from a file the operator controls.
 
@@ -107,7 +115,7 @@ class Principals:
         self, by_digest: dict[str, str], *, plain: bool = False, source: Path | None = None
     ) -> None:
         if not by_digest:
-            raise ValueError("no tokens: a tokens file needs at least one 'principal token' line")
+            raise NoTokens("no tokens: a tokens file needs at least one 'principal token' line")
         self._by_digest = dict(by_digest)
         #: whether any token was given in clear (the file is then a secret itself)
         self.plain = plain
@@ -150,7 +158,7 @@ class Principals:
                     "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')"
                 )
             else:
-                digest = hashlib.sha256(secret.encode()).hexdigest()
+                digest = _digest(secret)
                 plain = True
             if by_digest.get(digest, name) != name:
                 raise ValueError(f"{where}: this token already names another principal")
@@ -163,7 +171,7 @@ class Principals:
             text = path.read_text(encoding="utf-8")
             mode = path.stat().st_mode
         except OSError as exc:
-            raise ValueError(f"cannot read the tokens file {str(path)!r}: {exc.strerror}") from exc
+            raise NoTokens(f"cannot read the tokens file {str(path)!r}: {exc.strerror}") from exc
         principals = cls.parse(text, source=str(path))
         principals.source = path
         if principals.plain and mode & (stat.S_IRWXG | stat.S_IRWXO):
@@ -178,11 +186,22 @@ class Principals:
         """Read the tokens file again (``serve --http`` does on SIGHUP), so an operator
         rotates or revokes a token without a restart. All or nothing: a file that does not
         parse leaves the tokens as they were, and the answer says so (the server logs it:
-        a revocation that did not happen must not go unnoticed)."""
+        a revocation that did not happen must not go unnoticed). A file that names no token,
+        or is gone or unreadable, names nobody: every token stops working (keeping them
+        would make revoking the last token, when it matters most, do nothing)."""
         if self.source is None:
             return {"event": "tokens_reload_failed", "error": "not read from a file"}
         try:
             fresh = Principals.load(self.source)
+        except NoTokens as exc:
+            self._by_digest, self.plain = {}, False
+            return {
+                "event": "tokens_reloaded",
+                "tokens": 0,
+                "principals": 0,
+                "warning": f"{exc}; every request is refused 401 until the file names a token "
+                "and SIGHUP is sent again",
+            }
         except ValueError as exc:
             return {
                 "event": "tokens_reload_failed",
@@ -206,7 +225,22 @@ class Principals:
         if scheme.lower() != "bearer" or not token:
             return None
         # looked up by digest: no comparison ever runs on the secret itself
-        return self._by_digest.get(hashlib.sha256(token.encode()).hexdigest())
+        return self._by_digest.get(_digest(token))
+
+    def login(self, token: str) -> tuple[str, str] | None:
+        """(principal, key) for a console login with ``token``, or None. A session made
+        from it keeps ``key`` (the token's digest) and asks :meth:`still_names` at every
+        request, so revoking the token ends the session too."""
+        token = token.strip()
+        if not token:
+            return None
+        key = _digest(token)
+        name = self._by_digest.get(key)
+        return None if name is None else (name, key)
+
+    def still_names(self, key: str, name: str) -> bool:
+        """Whether the token a session was made from still names ``name``."""
+        return self._by_digest.get(key) == name
 
 
 def parse_bind(value: str) -> tuple[str, int]:

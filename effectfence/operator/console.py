@@ -44,6 +44,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -76,6 +77,9 @@ HISTORY = 600
 CHAIN_LIMIT = 10_000
 MAX_BODY = 64 * 1024
 _LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+#: seconds a console login lasts; and how many logins are kept (the oldest goes first)
+SESSION_TTL = 12 * 3600.0
+MAX_SESSIONS = 256
 SERIES = ("in_flight", "failed", "clears", "attempts", "admitted", "replayed", "commits", "aborts")
 
 
@@ -115,6 +119,17 @@ def allowed_names(host: str, extra: Iterable[str] = ()) -> tuple[str, ...]:
     return tuple(names)
 
 
+@dataclass(frozen=True, slots=True)
+class _Session:
+    """A browser's login: who, its CSRF token, the key of the token it logged in with
+    (checked at every request), and when it ends (on the console's clock)."""
+
+    name: str
+    csrf: str
+    key: str
+    expires: float
+
+
 class Console:
     """The application: routes in, (status, content type, body, headers) out. No sockets.
 
@@ -135,6 +150,7 @@ class Console:
         allowed_hosts: tuple[str, ...] = (),
         base: str = "",
         allow_clear: bool = True,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if base and (not base.startswith("/") or base.endswith("/")):
             raise ValueError(f"a console's base path is '' or /name, not {base!r}")
@@ -148,7 +164,8 @@ class Console:
         self.store_label = store_label or fence.store.name
         self.allowed_hosts = {h.lower() for h in (*_LOOPBACK, *allowed_hosts)}
         self.samples: deque[dict[str, Any]] = deque(maxlen=HISTORY)
-        self._sessions: dict[str, tuple[str, str]] = {}  # cookie -> (principal, csrf)
+        self._sessions: dict[str, _Session] = {}  # cookie -> its login, oldest first
+        self._clock = clock
         self._open_csrf = secrets.token_urlsafe(24)  # the one session of a loopback console
         self._lock = threading.Lock()
 
@@ -188,7 +205,17 @@ class Console:
             key, _, value = part.strip().partition("=")
             if key == COOKIE:
                 with self._lock:
-                    return self._sessions.get(value)
+                    login = self._sessions.get(value)
+                    if login is None:
+                        return None
+                    # a login lasts while its token names its principal, and no longer
+                    # than SESSION_TTL: revoking a token (SIGHUP) ends its sessions too
+                    if login.expires <= self._clock() or not self.principals.still_names(
+                        login.key, login.name
+                    ):
+                        del self._sessions[value]
+                        return None
+                    return login.name, login.csrf
         return None
 
     def _host_ok(self, headers: dict[str, str]) -> bool:
@@ -246,11 +273,19 @@ class Console:
             if not _same_origin(headers):
                 return _text(403, "cross-origin login refused")
             token = parse_qs(body.decode("utf-8", "replace")).get("token", [""])[0]
-            name = self.principals.authenticate(f"Bearer {token}")
-            if name is not None:
+            got = self.principals.login(token)
+            if got is not None:
                 cookie = secrets.token_urlsafe(32)
+                now = self._clock()
                 with self._lock:
-                    self._sessions[cookie] = (name, secrets.token_urlsafe(24))
+                    sessions = self._sessions
+                    for old in [c for c, s in sessions.items() if s.expires <= now]:
+                        del sessions[old]
+                    while len(sessions) >= MAX_SESSIONS:
+                        del sessions[next(iter(sessions))]
+                    sessions[cookie] = _Session(
+                        got[0], secrets.token_urlsafe(24), got[1], now + SESSION_TTL
+                    )
                 attrs = f"HttpOnly; SameSite=Strict; Path={self.base or '/'}"
                 return (
                     303,
