@@ -687,22 +687,9 @@ class EffectFence:
             return cert
         if outcome is STALE:
             assert step.stale is not None
-            d, want, got = step.stale
             self._count("stale_commits")
             self._wake(intent)
-            raise ReadSetStale(
-                f"can't commit {intent!r}: {d!r} moved from {want} to {got} while the "
-                "effect ran; the intent is now FAILED: reconcile, then clear it",
-                retryable=False,
-                recover="the effect ran on a stale view: do not run it again; reconcile "
-                f"downstream, then an operator clears the intent ({CLEAR_COMMAND})",
-                intent=intent,
-                state="failed",
-                token=ticket.token,
-                domain=d,
-                expected=want,
-                actual=got,
-            )
+            raise _stale_commit(intent, ticket.token, *step.stale)
         return self._commit_refused(ticket, fp, result_json, step.found)
 
     def _commit_refused(
@@ -711,6 +698,17 @@ class EffectFence:
         """The commit's step did not apply: judge the record it found (Rule 3), as the
         ticket operations that read first do (:meth:`_check_ticket`)."""
         intent = ticket.intent
+        if (
+            found is not None
+            and found.state is State.FAILED
+            and found.token == ticket.token
+            and found.reason == _STALE_REASON
+            and found.fingerprint == fp
+        ):
+            # this ticket's commit already found its read set moved (a retry, or a step
+            # whose reply was lost): the same answer, not "lease lost"
+            self._count("refused_ticket_ops")
+            raise self._stale_again(ticket)
         verdict, refusal = self._ticket_step(
             lambda: judge_ticket("commit", found, self.store.now(), intent, ticket.token)
         )
@@ -728,6 +726,19 @@ class EffectFence:
             raise _not_admitted("commit", ticket)
         assert refusal is not None
         raise refusal
+
+    def _stale_again(self, ticket: PreparedEffect) -> ReadSetStale:
+        """The refusal of a commit made stale earlier, its moved pair read again (the
+        store keeps no record of it; a compared domain only ever moves on)."""
+        compare, own_seq = plan_commit(
+            ticket.read_set, ticket.domain, ticket.seq, ticket.expected_seq
+        )
+        pairs = [*compare, *(() if own_seq is None else ((ticket.domain, own_seq),))]
+        for d, want in pairs:
+            got = self._ticket_step(self.store.current, d)
+            if got != want:
+                return _stale_commit(ticket.intent, ticket.token, d, want, got)
+        return _stale_commit(ticket.intent, ticket.token, None, None, None)
 
     def abort(self, ticket: PreparedEffect, reason: str = "aborted") -> None:
         """The outcome is unknown: fence the intent until an operator clears it (G9)."""
@@ -959,6 +970,27 @@ class EffectFence:
 def _moved(op: str, intent: str) -> LeaseLost:
     """The step found the record no longer in flight under the ticket: not ours to finish."""
     return LeaseLost(f"can't {op} {intent!r}: the lease moved", intent=intent)
+
+
+def _stale_commit(
+    intent: str, token: int, d: str | None, want: int | None, got: int | None
+) -> ReadSetStale:
+    """A commit whose read set moved while the effect ran: the effect ran, the intent is
+    FAILED, and running it again is the one wrong answer."""
+    moved = "a compared domain moved" if d is None else f"{d!r} moved from {want} to {got}"
+    return ReadSetStale(
+        f"can't commit {intent!r}: {moved} while the effect ran; the intent is now FAILED: "
+        "reconcile, then clear it",
+        retryable=False,
+        recover="the effect ran on a stale view: do not run it again; reconcile "
+        f"downstream, then an operator clears the intent ({CLEAR_COMMAND})",
+        intent=intent,
+        state="failed",
+        token=token,
+        domain=d,
+        expected=want,
+        actual=got,
+    )
 
 
 def _not_admitted(op: str, ticket: PreparedEffect) -> InvalidTicket:

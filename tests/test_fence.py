@@ -273,8 +273,14 @@ def test_g6_read_set_moving_during_effect_fails_commit(fence: EffectFence) -> No
     at = fence.current("inventory:9")
     t = fresh(fence, req(read_set=[("inventory:9", at)]))
     fence.commit(fresh(fence, req(intent="other", domain="inventory:9")), "moved it")
-    with pytest.raises(ReadSetStale):
+    with pytest.raises(ReadSetStale) as first:
         fence.commit(t, "ran on a stale view")
+    # the same commit again (a retry, or a server step whose reply was lost, which the
+    # stores answer from the record found): the same refusal, never lease_lost
+    with pytest.raises(ReadSetStale) as again:
+        fence.commit(t, "ran on a stale view")
+    assert again.value.details == first.value.details
+    assert first.value.details["domain"] == "inventory:9"
     st = fence.intent_status("charge:order-1")
     assert st.state == "failed" and st.reason == "read_set_stale"
     with pytest.raises(IntentFailed):
@@ -287,8 +293,12 @@ def test_g6_expected_seq_judged_against_own_reservation(fence: EffectFence) -> N
     assert fence.commit(t, "ok").seq == base + 1  # its own move is not staleness
     t2 = fresh(fence, req(intent="x2", expected_seq=base + 1))
     fence.commit(fresh(fence, req(intent="x3")), "someone moved the domain")
-    with pytest.raises(ReadSetStale):
+    with pytest.raises(ReadSetStale) as first:
         fence.commit(t2, "late")
+    with pytest.raises(ReadSetStale) as again:
+        fence.commit(t2, "late")
+    assert again.value.details == first.value.details
+    assert (first.value.details["expected"], first.value.details["actual"]) == (base + 2, base + 3)
 
 
 # -- G7 no trace --------------------------------------------------------------------------------

@@ -238,6 +238,17 @@ class FenceMachine(RuleBasedStateMachine):
             # the committing ticket commits again with the same result: the same certificate
             assert self.fence.commit(t, result).hash == done.cert_hash
             return
+        if (
+            done is not None
+            and done.state == "failed"
+            and done.reason == "read_set_stale"
+            and done.token == t.token
+        ):
+            # this ticket's commit found its read set moved: told so again, not lease_lost
+            with pytest.raises(ReadSetStale):
+                self.fence.commit(t, result)
+            m.count("refused_ticket_ops")
+            return
         if not self._current(held):
             self._expect_lost(lambda: self.fence.commit(t, result))
             return
