@@ -9,7 +9,6 @@ metrics and the decision log say what happened, never with the args.
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import subprocess
