@@ -1409,6 +1409,117 @@ def test_a_forked_child_is_refused_a_file_its_parent_had_open(tmp_path: Path) ->
         store.close()
 
 
+def _kept_shm_fd(path: str) -> int:
+    from effectfence.store import sqlite as module
+
+    kept: Any = module._SHM_FDS[path]
+    return kept if isinstance(kept, int) else int(kept[0])
+
+
+_OTHER = """
+import sys
+from effectfence import EffectFence, EffectRequest, FenceConfig, Refusal
+from effectfence.store.sqlite import SQLiteStore
+store = SQLiteStore(sys.argv[1])
+if sys.argv[2] == "prepare":
+    fence = EffectFence(FenceConfig(lease_ttl=600), store=store)
+    try:
+        print(fence.prepare(EffectRequest(
+            "charge:2", "order:777", "charge", {"cents": 77700}, "other")).fresh)
+    except Refusal as refusal:
+        print(refusal.code)
+store.close()
+"""
+
+
+def _take_numbers_below(n: int) -> list[int]:
+    """Open /dev/null until ``n`` is the lowest free descriptor number (it must be free)."""
+    taken = []
+    while (fd := os.open(os.devnull, os.O_RDONLY)) != n:
+        assert fd < n, (fd, n)
+        taken.append(fd)
+    os.close(fd)
+    return taken
+
+
+def _daemonized_child(path: str, kept: int, w: int) -> None:
+    """Closes what it inherited, as daemons do, lines its descriptors up so that SQLite's
+    database file gets the number the parent kept for the -shm file, then claims."""
+    os.closerange(3, w)
+    os.closerange(w + 1, 1 << 16)
+    try:
+        _take_numbers_below(kept)  # SQLite's next open (the database file) takes ``kept``
+        fence = EffectFence(FenceConfig(lease_ttl=600), store=SQLiteStore(path))
+        fence.prepare(req("charge:1", agent="child"))  # opens the database, then -shm
+        other = [sys.executable, "-c", _OTHER, path]
+        subprocess.run([*other, "close"], check=True, timeout=60)  # it may think it is last
+        mine = fence.prepare(req("charge:2", agent="child")).fresh
+        theirs = subprocess.run(
+            [*other, "prepare"], capture_output=True, text=True, timeout=60, check=True
+        ).stdout.strip()
+        said = {"wal": os.path.exists(path + "-wal"), "mine": mine, "theirs": theirs}
+    except BaseException as exc:  # reported, never raised out of a forked child
+        said = {"error": repr(exc)}
+    os.write(w, json.dumps(said).encode())
+    os._exit(0)
+
+
+def test_a_daemonized_child_never_closes_sqlites_descriptor_for_its_parents(
+    tmp_path: Path,
+) -> None:
+    """A process that used a store and closed it keeps the -shm descriptor's number. Its
+    forked child, closing what it inherited (python-daemon, os.closerange), had that number
+    reused by SQLite for the database file; the store took it for its own stale -shm
+    descriptor and closed it, dropping the child's locks. Another process's close then
+    deleted the WAL under the child, and an intent the child admitted was admitted again
+    (G1; found by review). The child must keep its locks: the other process is refused."""
+    path = str(tmp_path / "daemon.db")
+    store = SQLiteStore(path)
+    store.read("charge:warm")  # the read cache opens (and keeps) the -shm descriptor
+    store.close()
+    kept = _kept_shm_fd(path)
+    r, w = os.pipe()
+    assert w != kept
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child's report is checked below)
+        os.close(r)
+        _daemonized_child(path, kept, w)
+    os.close(w)
+    with os.fdopen(r, "rb") as pipe:
+        said = json.loads(pipe.read() or b"{}")
+    os.waitpid(pid, 0)
+    assert said == {"wal": True, "mine": True, "theirs": "intent_in_flight"}
+
+
+def test_a_kept_shm_descriptor_closed_behind_the_stores_back_is_never_closed_again(
+    tmp_path: Path,
+) -> None:
+    """Code that closes the store's kept -shm descriptor frees its number for anyone; the
+    store then must neither read through that number nor close it (whose ever it is)."""
+    path = str(tmp_path / "reused.db")
+    store = SQLiteStore(path)
+    store.read("charge:warm")
+    store.close()
+    kept = _kept_shm_fd(path)
+    os.close(kept)
+    other = tmp_path / "someone-else"
+    other.write_bytes(b"not a -shm file")
+    below = _take_numbers_below(kept)
+    fd = os.open(other, os.O_RDONLY)
+    assert fd == kept
+    for n in below:
+        os.close(n)
+    try:
+        store = SQLiteStore(path)
+        fence = EffectFence(store=store)
+        fence.commit(fence.prepare(req("charge:1")).ticket, "r")
+        assert store.read("charge:1")[0] is not None
+        assert os.readlink(f"/proc/self/fd/{fd}") == str(other), "the store closed it"
+        store.close()
+    finally:
+        os.close(fd)
+
+
 def _in_the_forked_child(waiters: Waiters, path: str, out: Any) -> None:
     waiters.wake("charge:held")
     store = SQLiteStore(path)  # takes the module's locks: a parent's thread held them

@@ -132,7 +132,10 @@ def _writer_lock(path: str) -> threading.RLock:
 #: One read-only descriptor per ``-shm`` file per process, never closed while it names the
 #: file SQLite uses: closing ANY descriptor of a file drops every POSIX lock this process
 #: holds on it, SQLite's WAL locks included (its own ``unixInodeInfo`` exists for this).
-_SHM_FDS: dict[str, int] = {}
+#: Kept with the identity (st_dev, st_ino) of the file it was opened on: a number closed
+#: behind our back (a forked child closing what it inherited, as daemons do) can be reused
+#: by SQLite itself, and is then neither read through nor closed.
+_SHM_FDS: dict[str, tuple[int, int, int]] = {}
 #: The header of each such file, mapped (mmap(2) on that descriptor itself, read-only,
 #: shared): a replay reads it from memory instead of with a pread, which was ~0.55 us of a
 #: ~4 us cached replay. Not Python's ``mmap``: it keeps a duplicate of the descriptor and
@@ -151,20 +154,26 @@ def _shm_fd(path: str) -> int:
     shm = path + "-shm"
     with _SHM_LOCK:
         now = os.stat(shm)
-        fd = _SHM_FDS.get(path)
-        if fd is not None:
-            kept = os.fstat(fd)
-            if (kept.st_dev, kept.st_ino) == (now.st_dev, now.st_ino):
+        kept = _SHM_FDS.pop(path, None)
+        if kept is not None:
+            fd, dev, ino = kept
+            try:
+                st = os.fstat(fd)
+                ours = (st.st_dev, st.st_ino) == (dev, ino)
+            except OSError:
+                ours = False
+            if ours and (dev, ino) == (now.st_dev, now.st_ino):
+                _SHM_FDS[path] = kept
                 return fd
-            del _SHM_FDS[path]
             _SHM_PAGES.pop(fd, None)  # the number may be reused; the old page stays mapped
-            os.close(fd)
+            if ours:  # ours, on a file since replaced: no lock of SQLite's is on it
+                os.close(fd)
         fd = os.open(shm, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         opened = os.fstat(fd)
         if (opened.st_dev, opened.st_ino) != (now.st_dev, now.st_ino):
             os.close(fd)  # replaced between stat and open: not SQLite's file, no lock on it
             raise FileNotFoundError(shm)
-        _SHM_FDS[path] = fd
+        _SHM_FDS[path] = (fd, opened.st_dev, opened.st_ino)
         return fd
 
 
@@ -330,6 +339,10 @@ def _reset_writers_after_fork() -> None:
     _SHM_LOCK._at_fork_reinit()  # type: ignore[attr-defined]
     for lock in _WRITERS.values():
         lock._at_fork_reinit()  # type: ignore[attr-defined]
+    # the parent's -shm descriptors and pages are forgotten, never closed: the child may
+    # close or reuse those numbers, and its own locks are on descriptors it opens itself
+    _SHM_FDS.clear()
+    _SHM_PAGES.clear()
     _INHERITED.update(store._real for store in list(_STORES) if store._live)
 
 
