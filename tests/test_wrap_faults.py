@@ -8,7 +8,10 @@ Every wait is bounded.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,6 +19,7 @@ from typing import Any
 import pytest
 
 from effectfence.errors import StoreUnavailable
+from effectfence.wrap.policy import Policy
 from effectfence.wrap.proxy import META_KEY, Proxy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,14 +35,22 @@ def anyio_backend() -> str:
 
 
 class Harness:
-    def __init__(self, tmp: Path, monkeypatch: pytest.MonkeyPatch, **env: str) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        monkeypatch: pytest.MonkeyPatch,
+        *,
+        child: list[str] = CHILD,
+        policy: Policy | None = None,
+        **env: str,
+    ) -> None:
         self.ledger_path = tmp / "ledger.jsonl"
         monkeypatch.setenv("RAW_LEDGER", str(self.ledger_path))
         monkeypatch.setenv("RAW_STARTS", str(tmp / "starts"))
         for key, value in env.items():
             monkeypatch.setenv(key, value)
         self.out: list[bytes] = []
-        self.proxy = Proxy(CHILD, self.out.append, store_url="memory:")
+        self.proxy = Proxy(child, self.out.append, store_url="memory:", policy=policy)
         self.reader = asyncio.StreamReader()
         self.task = asyncio.ensure_future(self.proxy.run(self.reader))
         self.next_id = 0
@@ -48,6 +60,10 @@ class Harness:
         msg = {"jsonrpc": "2.0", "id": self.next_id, "method": method, "params": params or {}}
         self.reader.feed_data(json.dumps(msg).encode() + b"\n")
         return self.next_id
+
+    def raw(self, *lines: bytes) -> None:
+        """Lines as the client wrote them, in one read."""
+        self.reader.feed_data(b"".join(line + b"\n" for line in lines))
 
     def notify(self, method: str) -> None:
         msg = {"jsonrpc": "2.0", "method": method, "params": {}}
@@ -222,4 +238,186 @@ async def test_a_call_cancelled_while_the_tools_are_learned_runs_nothing(
     assert text(again) == "charged"
     assert h.ledger() == [{"order": 11}], "the cancelled call ran"
     assert not [line for line in h.out if json.loads(line).get("id") == first]
+    assert await h.stop() == 0
+
+
+# -- what a client may write that the wrapper must still read right (found by review) ------------
+
+
+async def test_a_call_orjson_cannot_read_is_still_fenced_and_a_line_that_is_no_json_goes_nowhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """orjson refuses NaN, 1e400 and lone surrogates, which Python's json and JavaScript
+    send. Such a tools/call was relayed as it came, unfenced: three identical calls charged
+    three times. An integer past 64 bits was read as a float, so two different orders named
+    one intent and the second was answered with the first's result. Both are now read
+    exactly and refused typed (the fence cannot hold such numbers); a line that is no JSON
+    at all is answered -32700 and never reaches the child."""
+    h = Harness(tmp_path, monkeypatch)
+    await h.start()
+    odd = (b"NaN", b"1e400", b'"\\ud83d"', b"18446744073709551616", b"18446744073709551617")
+    ids = []
+    for n, value in enumerate(odd * 2, 100):
+        h.raw(
+            b'{"jsonrpc":"2.0","id":%d,"method":"tools/call",' % n
+            + b'"params":{"name":"charge","arguments":{"order":%s}}}' % value
+        )
+        ids.append(n)
+    for n in ids:
+        answer = await h.answer(n)
+        assert answer["result"]["isError"] is True, answer
+        assert mark(answer)["refused"] == "invalid_request", answer
+    h.raw(b'{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"charge"')
+    async with asyncio.timeout(BOUND):
+        while not any(b"-32700" in line for line in h.out):
+            await asyncio.sleep(0.01)
+    error = json.loads(next(line for line in h.out if b"-32700" in line))
+    assert error["id"] is None
+    assert "result" in await h.answer(h.send("ping"))
+    assert h.ledger() == []
+    assert await h.stop() == 0
+
+
+async def test_ids_the_wrapper_cannot_track_are_refused_not_fatal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An object or array id crashed the wrapper (unhashable), taking every call in flight
+    and the child with it. Such a request is refused -32600; such a cancel is relayed."""
+    h = Harness(tmp_path, monkeypatch)
+    await h.start()
+    h.raw(
+        b'{"jsonrpc":"2.0","id":{"x":1},"method":"ping"}',
+        b'{"jsonrpc":"2.0","id":[1],"method":"tools/call","params":{"name":"charge"}}',
+        b'{"jsonrpc":"2.0","method":"notifications/cancelled","params":{"requestId":[1]}}',
+    )
+    async with asyncio.timeout(BOUND):
+        while sum(b"-32600" in line for line in h.out) < 2:
+            await asyncio.sleep(0.01)
+    ok = await h.answer(h.send("tools/call", {"name": "charge", "arguments": {"order": 1}}))
+    assert text(ok) == "charged"
+    assert h.ledger() == [{"order": 1}]
+    assert await h.stop() == 0
+
+
+async def test_a_call_cancelled_in_the_same_read_runs_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cancel read right after its call (no await between them) found no call yet and
+    was relayed to the child, which never saw that id: the call ran and was answered."""
+    h = Harness(tmp_path, monkeypatch)
+    await h.start()
+    h.raw(
+        b'{"jsonrpc":"2.0","id":5,"method":"tools/call",'
+        b'"params":{"name":"charge","arguments":{"order":5}}}',
+        b'{"jsonrpc":"2.0","method":"notifications/cancelled","params":{"requestId":5}}',
+    )
+    after = await h.answer(h.send("tools/call", {"name": "charge", "arguments": {"order": 6}}))
+    assert text(after) == "charged"
+    assert not any(json.loads(line).get("id") == 5 for line in h.out)
+    assert h.ledger() == [{"order": 6}]
+    assert h.proxy.calls == {}
+    assert await h.stop() == 0
+
+
+async def test_a_domain_template_that_cannot_be_filled_is_refused_not_hung(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """str.format raised TypeError for an argument named ``tool`` (or ``{order[0]}`` on a
+    number), which nothing caught: the call was never answered."""
+    policy = Policy.from_dict({"tools": {"charge": {"domain": "pay:{tool}:{order[0]}"}}})
+    h = Harness(tmp_path, monkeypatch, policy=policy)
+    await h.start()
+    refused = await h.answer(h.send("tools/call", {"name": "charge", "arguments": {"order": 3}}))
+    assert mark(refused)["refused"] == "invalid_request" and "domain template" in text(refused)
+    named = {"name": "charge", "arguments": {"order": "ab", "tool": "x"}}
+    ran = await h.answer(h.send("tools/call", named))
+    assert text(ran) == "charged"
+    status = {"name": "effectfence_status", "arguments": {"tool": "charge", "arguments": {}}}
+    assert "result" in await h.answer(h.send("tools/call", status))
+    assert h.ledger() == [{"order": "ab", "tool": "x"}]
+    assert await h.stop() == 0
+
+
+async def test_escaped_2026_keys_are_stripped_for_a_handshake_era_child(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The strip was decided on the raw bytes, so ``io.modelcontextprotocol\\/...`` (the
+    same key, legally escaped) reached a child that rejects such keys."""
+    h = Harness(tmp_path, monkeypatch)
+    await h.start()
+    child = h.proxy.child
+    assert child is not None
+    sent: list[bytes] = []
+    write = child.write
+    monkeypatch.setattr(child, "write", lambda data: (sent.append(data), write(data))[1])
+    h.raw(
+        b'{"jsonrpc":"2.0","id":8,"method":"ping","params":{"_meta":'
+        b'{"io.modelcontextprotocol\\/protocolVersion":"2026-07-28","keep":1}}}'
+    )
+    assert "result" in await h.answer(8)
+    [forwarded] = [json.loads(line) for line in sent]
+    assert forwarded["params"]["_meta"] == {"keep": 1}
+    assert await h.stop() == 0
+
+
+async def test_a_result_with_an_id_past_2_53_is_recorded_and_replayed_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Database and snowflake ids pass 2**53, which a certificate's canonical JSON cannot
+    hold: the call ran, its commit was refused, and the intent was fenced as "nobody
+    knows whether it took effect". Its JSON text is recorded instead, replayed exactly."""
+    h = Harness(tmp_path, monkeypatch)
+    await h.start()
+    call = {"name": "charge", "arguments": {"order": 4, "big_id": True}}
+    first = await h.answer(h.send("tools/call", call))
+    assert first["result"]["structuredContent"] == {"id": 2**60 + 4}
+    assert mark(first)["replayed"] is False
+    again = await h.answer(h.send("tools/call", call))
+    assert mark(again)["replayed"] is True, again
+    assert again["result"]["structuredContent"] == {"id": 2**60 + 4}
+    assert h.ledger() == [{"order": 4, "big_id": True}]
+    assert await h.stop() == 0
+
+
+async def test_a_line_past_the_limit_from_the_child_stops_it_and_later_calls_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reader gave up on the child but left it running and counted alive: every later
+    request was written to it and never answered."""
+    monkeypatch.setattr("effectfence.wrap.proxy.LINE_LIMIT", 4096)
+    h = Harness(tmp_path, monkeypatch)
+    await h.start()
+    big = await h.answer(
+        h.send("tools/call", {"name": "charge", "arguments": {"order": 1, "pad": 10_000}})
+    )
+    assert mark(big)["outcome"] == "unknown"
+    later = await h.answer(h.send("tools/call", {"name": "charge", "arguments": {"order": 2}}))
+    assert text(later) == "charged"
+    assert h.ledger() == [{"order": 1, "pad": 10_000}, {"order": 2}]
+    assert await h.stop() == 0
+
+
+async def test_a_child_that_dies_while_something_holds_its_stdout_is_seen_dead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Death was seen only as the end of the child's output. A launcher script's
+    background process keeps that open: a call to a child that died was never answered,
+    and no restart came."""
+    pid_file = tmp_path / "sleep.pid"
+    launcher = [
+        "/bin/sh",
+        "-c",
+        f'sleep 120 & echo $! >> "{pid_file}"; exec "{CHILD[0]}" "{CHILD[1]}"',
+    ]
+    h = Harness(tmp_path, monkeypatch, child=launcher)
+    try:
+        await h.start()
+        died = await h.answer(h.send("tools/call", {"name": "die", "arguments": {}}))
+        assert died["error"]["code"] == -32603, died
+        ran = await h.answer(h.send("tools/call", {"name": "charge", "arguments": {"order": 1}}))
+        assert text(ran) == "charged"
+    finally:  # first: the pipes they hold close while the loop still runs
+        for pid in pid_file.read_text().split() if pid_file.exists() else ():
+            with contextlib.suppress(OSError):
+                os.kill(int(pid), signal.SIGKILL)
     assert await h.stop() == 0

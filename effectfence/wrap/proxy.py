@@ -5,7 +5,10 @@ Theory of operation
 The wrapper is a line-level JSON-RPC relay between a client (our stdin/stdout) and a child
 server (CMD, over its stdin/stdout). It does not import ``mcp``: every line is parsed (with
 orjson, microseconds) only to learn its method and id, and forwarded as the very bytes that
-arrived unless the wrapper must change it. So everything the two sides say to each other --
+arrived unless the wrapper must change it. What the fence reads (a ``tools/call``, the
+child's answer to one) is read again exactly, by the standard parser, as is a line orjson
+refuses; a line that is not JSON is answered and never sent on (it could be a tool call the
+fence must see). So everything the two sides say to each other --
 requests, responses, notifications, server-to-client requests, resources, prompts,
 progress, cancellation, and protocol versions this code has never heard of -- passes through
 untouched. The wrapper steps in for exactly four things:
@@ -44,6 +47,7 @@ import asyncio
 import contextlib
 import datetime
 import hashlib
+import json
 import os
 import secrets
 import stat
@@ -79,6 +83,8 @@ LINE_LIMIT = 1 << 26  # 64 MiB: a resource read can be large; one line is one me
 #: results are recorded up to this size (the fence's default is 1 MiB: too small for tools)
 MAX_RESULT_BYTES = 16 << 20
 CHILD_EXIT_GRACE = 5.0  # s the child gets to exit after its stdin closes, then SIGTERM
+EXIT_DRAIN = 0.5  # s to read what an exited child wrote before it exited
+EXIT_POLL = 0.1  # s between looks at whether the child exited (see _exit_code)
 RESTART_WINDOW, RESTART_LIMIT = 30.0, 5  # more starts than this in the window: give up
 #: worker threads for fence steps on a durable store (the Proxy's Offloader). A few warm
 #: threads beat a pool of cpu+4 contending for the GIL (~1.7x calls/s at 8 callers on
@@ -113,7 +119,37 @@ def _is_memory(url: str) -> bool:
 
 # -- small wire helpers -------------------------------------------------------------------------
 def _line(msg: dict[str, Any]) -> bytes:
-    return orjson.dumps(msg) + b"\n"
+    try:
+        return orjson.dumps(msg) + b"\n"
+    except orjson.JSONEncodeError:  # an integer past 64 bits, read exactly (see _parse)
+        return json.dumps(msg, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+
+
+#: a line that is not JSON at all
+_UNREADABLE: Any = object()
+
+
+def _parse(line: bytes, *, exact: bool = False) -> Any:
+    """A line's message, or :data:`_UNREADABLE`. orjson reads it in microseconds; where it
+    refuses (``NaN``, ``1e400``, a lone surrogate, a BOM: all sent by some JSON-RPC peers)
+    the standard parser reads it. ``exact``: every number as written, for what the fence
+    reads (orjson reads an integer past 64 bits as a float, so two different order ids
+    would name one intent)."""
+    if not exact:
+        try:
+            return orjson.loads(line)
+        except orjson.JSONDecodeError:
+            pass
+    try:
+        return json.loads(line)
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested past the limit
+        return _UNREADABLE
+
+
+def _is_id(value: Any) -> bool:
+    """A request id the wrapper can track: a string or an integer (JSON-RPC also allows
+    fractions, which it discourages; an object or array id is refused)."""
+    return type(value) is str or type(value) is int
 
 
 def _ascii(text: str) -> str:
@@ -167,6 +203,16 @@ class NotSent(ChildGone):
 
 
 # -- the child process --------------------------------------------------------------------------
+async def _exit_code(proc: asyncio.subprocess.Process) -> int:
+    """The process's exit code, once it exits, whatever its pipes do. asyncio's ``wait()``
+    (3.11) returns only once every pipe is closed as well, and a process the child left
+    behind (a launcher script's ``sleep &``) may hold its stdout open for ever; the exit
+    itself is seen at once (``returncode`` is set when it is reaped)."""
+    while (code := proc.returncode) is None:
+        await asyncio.sleep(EXIT_POLL)
+    return code
+
+
 class Child:
     """One child process and the wrapper's own requests waiting for its answers."""
 
@@ -369,39 +415,74 @@ class Proxy:
                 raise ChildGone(self.fatal)
             return await self.start_child()
 
-    async def _read_child(self, child: Child) -> None:
+    async def _relay_child(self, child: Child) -> None:
+        """The child's lines to ``on_child_line`` until its stdout ends; output it cannot
+        make sense of (a line over LINE_LIMIT) ends it too, and the child is stopped."""
         stdout = child.proc.stdout
         assert stdout is not None
         while True:
             try:
                 line = await stdout.readline()
             except (ValueError, ConnectionError) as exc:  # a line over LINE_LIMIT
-                _stderr(f"unreadable output from the server ({exc}); treating it as dead")
-                break
+                _stderr(f"unreadable output from the server ({exc}); stopping it")
+                with contextlib.suppress(ProcessLookupError):
+                    child.proc.kill()
+                return
             if not line:
-                break
+                return
             self.on_child_line(line)
-        code = await child.proc.wait()
-        child.die()
-        if self.child is child:
-            self.child = None
+
+    async def _read_child(self, child: Child) -> None:
+        """Relay the child's output until it is gone: its stdout ended, or it exited. The
+        exit is watched on its own: a process the child left behind may hold its stdout
+        open, and the end of output would never come (a call would wait for ever)."""
+        relay = asyncio.ensure_future(self._relay_child(child))
+        exited = asyncio.ensure_future(_exit_code(child.proc))
+        try:
+            await asyncio.wait((relay, exited), return_when=asyncio.FIRST_COMPLETED)
+            if not relay.done():
+                # it exited: what it wrote before is in the pipe already; read that, and
+                # stop waiting for an end of output that may never come
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(relay), EXIT_DRAIN)
+                relay.cancel()
+            # its stdout ended or it exited: it answers nothing more, and whoever waits on
+            # it hears so now (before a new child, started meanwhile, owes anything)
+            child.die()
+            if self.child is child:
+                self.child = None
+            self._orphaned(child.proc.returncode)
+            if not exited.done():  # stdout closed, still running: give it time, then stop it
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(exited), CHILD_EXIT_GRACE)
+                with contextlib.suppress(ProcessLookupError):
+                    child.proc.kill()
+            code = await exited
+        finally:
+            relay.cancel()
+            exited.cancel()
+        if not self.closing:
+            _stderr(f"the server exited with code {code}")
+
+    def _orphaned(self, code: int | None) -> None:
+        """Requests relayed to a child that is gone: answered, or their clients would wait
+        for ever."""
+        gone = "stopped answering" if code is None else f"exited (code {code})"
         orphans, self.passthrough = self.passthrough, set()
         for cid in orphans:
             self._client_error(
                 cid,
                 -32603,
-                f"effectfence wrap: the server behind the fence exited (code {code}) before "
-                "answering; it is restarted for later calls",
+                f"effectfence wrap: the server behind the fence {gone} before answering; it "
+                "is restarted for later calls",
             )
         for own, (cid, _) in list(self._list_ids.items()):
             del self._list_ids[own]
             self._client_error(
                 cid,
                 -32603,
-                "effectfence wrap: the server behind the fence exited before listing its tools",
+                f"effectfence wrap: the server behind the fence {gone} before listing its tools",
             )
-        if not self.closing:
-            _stderr(f"the server exited with code {code}")
 
     # -- ids and requests to the child ----------------------------------------------------
     def _own_id(self) -> str:
@@ -444,10 +525,13 @@ class Proxy:
 
     # -- client -> child ------------------------------------------------------------------
     async def on_client_line(self, line: bytes) -> None:
-        try:
-            msg = orjson.loads(line)
-        except orjson.JSONDecodeError:
-            msg = None
+        msg = _parse(line)
+        if msg is _UNREADABLE:
+            # never relayed: a line the wrapper cannot read could be a tool call it must fence
+            self._client_error(
+                None, -32700, "effectfence wrap: parse error: the line is not JSON; not sent on"
+            )
+            return
         if isinstance(msg, list) and any(
             isinstance(m, dict) and m.get("method") == "tools/call" for m in msg
         ):
@@ -470,6 +554,11 @@ class Proxy:
             await self._forward(line, None, msg)
             return
         cid = msg["id"]
+        if not _is_id(cid):
+            self._client_error(
+                None, -32600, "effectfence wrap: a request id is a string or an integer"
+            )
+            return
         if isinstance(params, dict):
             meta = params.get("_meta")
             if isinstance(meta, dict) and PROTOCOL_KEY in meta:
@@ -478,7 +567,11 @@ class Proxy:
                 if isinstance(info, dict):
                     self._set_agent(info.get("name"))
         if method == "tools/call":
-            self._spawn(self._tool_call(cid, msg, line))
+            # registered before its task runs: a cancel read right after it finds it
+            call = self.calls[cid] = _Call()
+            exact = _parse(line, exact=True)
+            call.task = self._spawn(self._tool_call(cid, exact, line, call))
+            call.task.add_done_callback(lambda _: self._forget_call(cid, call))
             return
         if method == "tools/list":
             await self._list_for_client(cid, msg)
@@ -521,7 +614,7 @@ class Proxy:
         handshake-era child); remember request ids the child now owes an answer."""
         try:
             child = await self.ensure_child()
-            if msg is not None and self.era == "legacy" and MODERN_PREFIX.encode() in line:
+            if msg is not None and self.era == "legacy":
                 stripped = _strip_modern(msg)
                 if stripped is not None:
                     line = _line(stripped)
@@ -533,10 +626,14 @@ class Proxy:
                 self.passthrough.discard(cid)
                 self._client_error(cid, -32603, f"effectfence wrap: {exc}")
 
+    def _forget_call(self, cid: Any, call: _Call) -> None:
+        if self.calls.get(cid) is call:
+            del self.calls[cid]
+
     def _cancel(self, cid: Any, reason: Any) -> bool:
         """The client cancelled a fenced call: tell the child, stop waiting; the driver
         aborts the attempt (outcome unknown) if it was running."""
-        call = self.calls.get(cid)
+        call = self.calls.get(cid) if _is_id(cid) else None
         if call is None:
             return False
         child = self.child
@@ -554,14 +651,14 @@ class Proxy:
 
     # -- child -> client ------------------------------------------------------------------
     def on_child_line(self, line: bytes) -> None:
-        try:
-            msg = orjson.loads(line)
-        except orjson.JSONDecodeError:
+        msg = _parse(line)
+        if msg is _UNREADABLE:
             _stderr("the server wrote a line that is not JSON to stdout; dropped it")
             return
         if isinstance(msg, dict) and "method" not in msg:
             rid = msg.get("id")
             if type(rid) is str and rid.startswith(self._own_prefix):
+                msg = _parse(line, exact=True)  # an answer the wrapper records or reads
                 listing = self._list_ids.pop(rid, None)
                 if listing is not None:
                     self._listed(listing[0], listing[1], msg)
@@ -571,7 +668,8 @@ class Proxy:
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
                 return  # an answer nobody waits for any more (a cancelled call)
-            self.passthrough.discard(rid)
+            if _is_id(rid):
+                self.passthrough.discard(rid)
         elif isinstance(msg, dict) and msg.get("method") == "notifications/tools/list_changed":
             self.tools_known = False  # annotations may have changed: learn them again
         self.write_client(line)
@@ -730,21 +828,23 @@ class Proxy:
         return defs
 
     # -- tools/call -----------------------------------------------------------------------
-    def _spawn(self, coro: Awaitable[None]) -> None:
+    def _spawn(self, coro: Awaitable[None]) -> asyncio.Task[None]:
         task: asyncio.Task[None] = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
-    async def _tool_call(self, cid: Any, msg: dict[str, Any], line: bytes) -> None:
+    async def _tool_call(self, cid: Any, msg: dict[str, Any], line: bytes, call: _Call) -> None:
+        """One ``tools/call``, in its own task (``call.task``), registered in ``calls``
+        since it was read: a cancel that comes before anything is decided or run (even
+        before this task starts) stops it there, unanswered, as MCP says."""
         params = msg.get("params")
         name = params.get("name") if isinstance(params, dict) else None
         if type(name) is not str or not isinstance(params, dict):
+            self.calls.pop(cid, None)
             await self._forward(line, cid, msg)
             return
         modern = _is_modern(params)
-        # registered before the first wait: a cancel that comes while the child's tools
-        # are being learned stops the call there, before anything is decided or run
-        call = self.calls[cid] = _Call(task=asyncio.current_task())
         try:
             try:
                 await self.ensure_tools()
@@ -770,9 +870,9 @@ class Proxy:
             await self._fenced(cid, msg, line, name, params, tp, modern, call)
         except asyncio.CancelledError:
             pass  # the client cancelled: per MCP it expects no answer
-        finally:
-            if self.calls.get(cid) is call:
-                del self.calls[cid]
+        except Exception as exc:  # a fault of the wrapper's: the client still hears back
+            _stderr(f"{name}: internal error: {exc!r}")
+            self._client_error(cid, -32603, f"effectfence wrap: internal error: {exc!r}")
 
     def request_for(self, name: str, args: dict[str, Any], tp: ToolPolicy) -> EffectRequest:
         """The intent: namespace, tool, and a digest of the arguments that name the action
@@ -791,8 +891,8 @@ class Proxy:
             domain = f"{self.namespace}:{tool}"
         else:
             try:
-                domain = _ascii(tp.domain.format(tool=name, **args))[:500]
-            except (KeyError, IndexError, AttributeError, ValueError) as exc:
+                domain = _ascii(tp.domain.format_map({**args, "tool": name}))[:500]
+            except (KeyError, IndexError, AttributeError, ValueError, TypeError) as exc:
                 raise InvalidRequest(
                     f"the policy's domain template {tp.domain!r} can't be filled from the "
                     f"arguments ({exc!r})"
@@ -838,7 +938,7 @@ class Proxy:
                 raise ChildError(resp)
             if not isinstance(result, dict):
                 raise ChildGone("the server's answer was not a tool result")
-            return {"result": _era_neutral(result), "completed_at": _now_iso()}
+            return _record(_era_neutral(result))
 
         options = Options(
             wait=True,
@@ -941,7 +1041,7 @@ class Proxy:
         else:
             self.stats.replayed += 1
             self.stats.tool(name, "replayed")
-            stored = record.get("result") if isinstance(record, dict) else None
+            stored = _recorded_result(record)
             result = dict(stored) if isinstance(stored, dict) else {"content": []}
         meta = result.get("_meta")
         result["_meta"] = {**(meta if isinstance(meta, dict) else {}), META_KEY: marker}
@@ -1119,14 +1219,14 @@ class Proxy:
             if stdin is not None:
                 stdin.close()
             try:
-                await asyncio.wait_for(child.proc.wait(), CHILD_EXIT_GRACE)
+                await asyncio.wait_for(_exit_code(child.proc), CHILD_EXIT_GRACE)
             except TimeoutError:
                 child.proc.terminate()
                 try:
-                    await asyncio.wait_for(child.proc.wait(), CHILD_EXIT_GRACE)
+                    await asyncio.wait_for(_exit_code(child.proc), CHILD_EXIT_GRACE)
                 except TimeoutError:
                     child.proc.kill()
-                    await child.proc.wait()
+                    await _exit_code(child.proc)
         for task in list(self._tasks):
             task.cancel()
         for fence in self._fences.values():
@@ -1136,6 +1236,33 @@ class Proxy:
             with contextlib.suppress(Exception):
                 self.store.close()
         self.offloader.close()
+
+
+def _record(result: dict[str, Any]) -> dict[str, Any]:
+    """What the fence records of a tool's result: the result, or, where it holds what a
+    certificate's canonical JSON cannot (an integer past 2**53, as database ids and
+    snowflake ids are; NaN; a lone surrogate), its JSON text, replayed exactly. The call
+    ran: its result must not go unrecorded for the way its numbers are written."""
+    record = {"result": result, "completed_at": _now_iso()}
+    try:
+        canonical_bytes(record)
+    except CanonicalError:
+        text = json.dumps(result, separators=(",", ":"))  # ASCII: lone surrogates escaped
+        return {"result_json": text, "completed_at": record["completed_at"]}
+    return record
+
+
+def _recorded_result(record: Any) -> Any:
+    """The result a record holds (see :func:`_record`), or None."""
+    if not isinstance(record, dict):
+        return None
+    text = record.get("result_json")
+    if type(text) is str:
+        try:
+            return json.loads(text)
+        except (ValueError, RecursionError):
+            return None
+    return record.get("result")
 
 
 def _era_neutral(result: dict[str, Any]) -> dict[str, Any]:
