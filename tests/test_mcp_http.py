@@ -253,7 +253,7 @@ def test_bind_and_exposure_rules() -> None:
         check_exposure("0.0.0.0", None)
 
 
-def test_tokens_file_rules(tmp_path: Path) -> None:
+def test_tokens_file_rules(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     p = Principals.parse(f"alice {TOKENS['alice']}\n# c\n\nbob sha256:{'a' * 64}\n")
     assert p.names == {"alice", "bob"} and "alice-0123" not in repr(p)
     assert p.authenticate(f"Bearer {TOKENS['alice']}") == "alice"
@@ -271,6 +271,11 @@ def test_tokens_file_rules(tmp_path: Path) -> None:
     ):
         with pytest.raises(ValueError, match=why):
             Principals.parse(bad)
+    hashed = tmp_path / "hash-pasted-without-prefix"
+    hashed.write_text(f"alice {'a' * 64}\nbob {TOKENS['alice']}\n")
+    hashed.chmod(0o600)
+    assert Principals.load(hashed).hash_like == (f"{hashed}:1",)
+    assert "64 hex digits" in capsys.readouterr().err
     missing = tmp_path / "nope"
     proc = subprocess.run(
         [*SERVE, "--http", "0", "--tokens", str(missing)],

@@ -91,6 +91,7 @@ HEALTH_TIMEOUT = 5.0
 _PRINCIPAL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@:+-]{0,127}")
 _TOKEN = re.compile(r"[\x21-\x7e]+")  # visible ASCII, as a header value carries it
 _HASHED = re.compile(r"sha256:([0-9a-f]{64})")
+_HEX64 = re.compile(r"[0-9a-fA-F]{64}")
 _LOOPBACK_NAMES = ("localhost",)
 
 
@@ -109,10 +110,15 @@ class Principals:
     SHA-256>``; blank lines and ``#`` comments are skipped. A principal may have several
     tokens (rotation); a token names exactly one principal."""
 
-    __slots__ = ("_by_digest", "plain", "source")
+    __slots__ = ("_by_digest", "hash_like", "plain", "source")
 
     def __init__(
-        self, by_digest: dict[str, str], *, plain: bool = False, source: Path | None = None
+        self,
+        by_digest: dict[str, str],
+        *,
+        plain: bool = False,
+        source: Path | None = None,
+        hash_like: tuple[str, ...] = (),
     ) -> None:
         if not by_digest:
             raise NoTokens("no tokens: a tokens file needs at least one 'principal token' line")
@@ -121,6 +127,9 @@ class Principals:
         self.plain = plain
         #: the file they were read from, read again by :meth:`reload`
         self.source = source
+        #: lines whose plain token is 64 hex digits: a hash pasted without ``sha256:``
+        #: would be a token anyone who sees the hash can use (warned at load)
+        self.hash_like = hash_like
 
     def __repr__(self) -> str:
         return f"Principals(<{len(self._by_digest)} tokens hidden>)"
@@ -133,6 +142,7 @@ class Principals:
     def parse(cls, text: str, *, source: str = "tokens") -> Principals:
         by_digest: dict[str, str] = {}
         plain = False
+        hash_like: list[str] = []
         for n, raw in enumerate(text.splitlines(), 1):
             line = raw.strip()
             if not line or line.startswith("#"):
@@ -160,10 +170,12 @@ class Principals:
             else:
                 digest = _digest(secret)
                 plain = True
+                if _HEX64.fullmatch(secret):
+                    hash_like.append(where)
             if by_digest.get(digest, name) != name:
                 raise ValueError(f"{where}: this token already names another principal")
             by_digest[digest] = name
-        return cls(by_digest, plain=plain)
+        return cls(by_digest, plain=plain, hash_like=tuple(hash_like))
 
     @classmethod
     def load(cls, path: Path) -> Principals:
@@ -174,6 +186,13 @@ class Principals:
             raise NoTokens(f"cannot read the tokens file {str(path)!r}: {exc.strerror}") from exc
         principals = cls.parse(text, source=str(path))
         principals.source = path
+        for where in principals.hash_like:
+            print(
+                f"effectfence serve: warning: {where}: this token is 64 hex digits, as a "
+                "SHA-256 hash is; a hash is written sha256:<hex> (as written, the hash itself "
+                "is the token)",
+                file=sys.stderr,
+            )
         if principals.plain and mode & (stat.S_IRWXG | stat.S_IRWXO):
             print(
                 f"effectfence serve: warning: {path} holds plain tokens and is readable by "
