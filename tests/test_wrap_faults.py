@@ -421,3 +421,34 @@ async def test_a_child_that_dies_while_something_holds_its_stdout_is_seen_dead(
             with contextlib.suppress(OSError):
                 os.kill(int(pid), signal.SIGKILL)
     assert await h.stop() == 0
+
+
+async def test_a_dead_childs_leftovers_are_its_own_not_those_of_the_child_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requests relayed to the child were kept in one set for every child: a dead child's
+    late death handling (a restart whose handshake failed, then a new start) answered the
+    NEXT child's requests "the server exited", and then their real answers came too."""
+    h = Harness(tmp_path, monkeypatch)
+    await h.start()
+    first = h.proxy.child
+    assert first is not None
+    first.proc.kill()
+    async with asyncio.timeout(BOUND):
+        while h.proxy.child is not None:
+            await asyncio.sleep(0.01)
+    gate = tmp_path / "gate"
+    monkeypatch.setenv("RAW_LIST_GATE", str(gate))  # the next child holds its tools/list
+    listing = h.send("tools/list")
+    async with asyncio.timeout(BOUND):
+        while not Path(str(gate) + ".asked").exists():
+            await asyncio.sleep(0.01)
+    pinged = h.send("ping")  # relayed to the new child, unanswered until its list is done
+    h.proxy._orphaned(first, -9)  # the first child's death handling, once more, late
+    gate.touch()
+    assert "tools" in (await h.answer(listing))["result"]
+    assert "result" in await h.answer(pinged)
+    answers = [json.loads(line) for line in h.out]
+    assert [a.get("id") for a in answers].count(listing) == 1
+    assert [a.get("id") for a in answers].count(pinged) == 1
+    assert await h.stop() == 0

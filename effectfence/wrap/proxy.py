@@ -219,6 +219,10 @@ class Child:
     def __init__(self, proc: asyncio.subprocess.Process) -> None:
         self.proc = proc
         self.pending: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        #: ids of the client's requests relayed to this child, which it owes answers
+        self.relayed: set[Any] = set()
+        #: the wrapper's tools/list requests for a client: own id -> (client id, first page)
+        self.listings: dict[str, tuple[Any, bool]] = {}
         self.alive = True
         self.ready = asyncio.Event()  # set once the handshake (if any) is replayed
 
@@ -318,8 +322,6 @@ class Proxy:
         self._listing_names: set[str] = set()
         self.own_names = {role: f"effectfence_{role}" for role in _OWN_TOOLS}
         self.calls: dict[Any, _Call] = {}
-        self.passthrough: set[Any] = set()  # ids of client requests the child owes answers
-        self._list_ids: dict[str, tuple[Any, bool]] = {}  # own id -> (client id, first page)
         self._tasks: set[asyncio.Task[None]] = set()
         self.closing = False
         self.fatal: str | None = None
@@ -430,7 +432,7 @@ class Proxy:
                 return
             if not line:
                 return
-            self.on_child_line(line)
+            self.on_child_line(line, child)
 
     async def _read_child(self, child: Child) -> None:
         """Relay the child's output until it is gone: its stdout ended, or it exited. The
@@ -451,7 +453,7 @@ class Proxy:
             child.die()
             if self.child is child:
                 self.child = None
-            self._orphaned(child.proc.returncode)
+            self._orphaned(child, child.proc.returncode)
             if not exited.done():  # stdout closed, still running: give it time, then stop it
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(asyncio.shield(exited), CHILD_EXIT_GRACE)
@@ -464,11 +466,11 @@ class Proxy:
         if not self.closing:
             _stderr(f"the server exited with code {code}")
 
-    def _orphaned(self, code: int | None) -> None:
+    def _orphaned(self, child: Child, code: int | None) -> None:
         """Requests relayed to a child that is gone: answered, or their clients would wait
-        for ever."""
+        for ever. Only its own: a child started since owes its own answers."""
         gone = "stopped answering" if code is None else f"exited (code {code})"
-        orphans, self.passthrough = self.passthrough, set()
+        orphans, child.relayed = child.relayed, set()
         for cid in orphans:
             self._client_error(
                 cid,
@@ -476,8 +478,8 @@ class Proxy:
                 f"effectfence wrap: the server behind the fence {gone} before answering; it "
                 "is restarted for later calls",
             )
-        for own, (cid, _) in list(self._list_ids.items()):
-            del self._list_ids[own]
+        listings, child.listings = child.listings, {}
+        for cid, _ in listings.values():
             self._client_error(
                 cid,
                 -32603,
@@ -619,11 +621,14 @@ class Proxy:
                 if stripped is not None:
                     line = _line(stripped)
             if cid is not None:
-                self.passthrough.add(cid)
-            child.write(line)
+                child.relayed.add(cid)
+            try:
+                child.write(line)
+            except ChildGone:
+                child.relayed.discard(cid)
+                raise
         except ChildGone as exc:
             if cid is not None:
-                self.passthrough.discard(cid)
                 self._client_error(cid, -32603, f"effectfence wrap: {exc}")
 
     def _forget_call(self, cid: Any, call: _Call) -> None:
@@ -650,7 +655,11 @@ class Proxy:
         return True
 
     # -- child -> client ------------------------------------------------------------------
-    def on_child_line(self, line: bytes) -> None:
+    def on_child_line(self, line: bytes, child: Child | None = None) -> None:
+        """A line from ``child`` (default: the current one) for the client, or the answer
+        to one of the wrapper's own requests to it."""
+        if child is None:
+            child = self.child
         msg = _parse(line)
         if msg is _UNREADABLE:
             _stderr("the server wrote a line that is not JSON to stdout; dropped it")
@@ -659,17 +668,16 @@ class Proxy:
             rid = msg.get("id")
             if type(rid) is str and rid.startswith(self._own_prefix):
                 msg = _parse(line, exact=True)  # an answer the wrapper records or reads
-                listing = self._list_ids.pop(rid, None)
+                listing = child.listings.pop(rid, None) if child is not None else None
                 if listing is not None:
                     self._listed(listing[0], listing[1], msg)
                     return
-                child = self.child
                 fut = child.pending.pop(rid, None) if child is not None else None
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
                 return  # an answer nobody waits for any more (a cancelled call)
-            if _is_id(rid):
-                self.passthrough.discard(rid)
+            if _is_id(rid) and child is not None:
+                child.relayed.discard(rid)
         elif isinstance(msg, dict) and msg.get("method") == "notifications/tools/list_changed":
             self.tools_known = False  # annotations may have changed: learn them again
         self.write_client(line)
@@ -684,12 +692,15 @@ class Proxy:
         params = msg.get("params")
         first = not (isinstance(params, dict) and params.get("cursor"))
         own = self._own_id()
-        self._list_ids[own] = (cid, first)
         try:
             child = await self.ensure_child()
-            child.write(self._for_child({**msg, "id": own}))
+            child.listings[own] = (cid, first)
+            try:
+                child.write(self._for_child({**msg, "id": own}))
+            except ChildGone:
+                child.listings.pop(own, None)
+                raise
         except ChildGone as exc:
-            self._list_ids.pop(own, None)
             self._client_error(cid, -32603, f"effectfence wrap: {exc}")
 
     def _note_tools(self, result: dict[str, Any], first: bool) -> list[Any] | None:
