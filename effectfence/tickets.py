@@ -13,13 +13,12 @@ from __future__ import annotations
 import base64
 import binascii
 import hmac
-import json
 import os
 import re
 import secrets
 from typing import Any
 
-from effectfence.canonical import CanonicalError, canonical_bytes
+from effectfence.canonical import CanonicalError, canonical_bytes, json_loads
 from effectfence.errors import InvalidRequest, InvalidTicket
 from effectfence.model import PreparedEffect
 
@@ -94,10 +93,18 @@ class TicketSigner:
             body = base64.urlsafe_b64decode(head + "=" * (-len(head) % 4))
         except (binascii.Error, ValueError) as exc:
             raise InvalidTicket("malformed ticket body") from exc
+        # the decoder drops characters outside its alphabet and ignores padding bits: a
+        # ticket is the one wire string seal made, not any that decodes to its body
+        if base64.urlsafe_b64encode(body).rstrip(b"=") != head.encode("ascii", "replace"):
+            raise InvalidTicket("malformed ticket body: not the form prepare returned")
         if not hmac.compare_digest(self._mac(body), mac):
             raise InvalidTicket("ticket authentication failed: forged, edited or truncated")
         try:
-            data = json.loads(body)
+            # canonical JSON writes an integral float past 2**53 without a fraction (1e16:
+            # 10000000000000000); json_loads reads it back as the float it was, where a
+            # plain parser made it an int the re-encoding refuses: the ticket of an effect
+            # that ran could not be committed (found by review)
+            data = json_loads(body)
             if canonical_bytes(data) != body:
                 raise InvalidTicket("ticket body is not canonical")
             return PreparedEffect.from_dict(data)

@@ -54,9 +54,16 @@ def test_forged_edited_truncated_refused_and_change_nothing(fence: EffectFence) 
         wire[: len(wire) // 2],  # truncated body
         edited_body + "." + mac,  # edited payload, old mac
         TicketSigner(b"x" * 32).seal(signer.open(wire)),  # another server's key
+        body + "@@" + "." + mac,  # characters the decoder would skip
+        body + "=" + "." + mac,  # padding it never carries
         "",
         "no-dot",
         42,
+        *(  # the standard alphabet's spelling of the same bytes
+            [body.replace("-", "+").replace("_", "/") + "." + mac]
+            if "-" in body or "_" in body
+            else []
+        ),
     ):
         with pytest.raises(InvalidTicket):
             signer.open(bad)
@@ -68,6 +75,33 @@ def test_forged_edited_truncated_refused_and_change_nothing(fence: EffectFence) 
         before.lease_until,
     )
     fence.commit(signer.open(wire), "ok")
+
+
+def test_the_standard_alphabets_spelling_of_a_ticket_is_refused(fence: EffectFence) -> None:
+    signer = TicketSigner(b"k" * 32)
+    for n in range(64):  # until a body has a character the two alphabets spell apart
+        request = EffectRequest(f"pay:a{n}", "acct:1", "pay", {"note": "?>~" * n}, "a")
+        wire = signer.seal(fence.prepare(request).ticket)
+        body, mac = wire.rsplit(".", 1)
+        if "-" in body or "_" in body:
+            break
+    else:
+        raise AssertionError("no body with - or _")
+    with pytest.raises(InvalidTicket):
+        signer.open(body.replace("-", "+").replace("_", "/") + "." + mac)
+    assert signer.open(wire).intent == f"pay:a{n}"
+
+
+def test_a_ticket_whose_args_hold_a_large_integral_float_opens(fence: EffectFence) -> None:
+    """Canonical JSON writes 1e16 as 10000000000000000; read back as an int it is past
+    2**53 and the ticket was refused: the effect had run and could not be committed, and
+    once the lease lapsed an identical call ran again (found by review)."""
+    signer = TicketSigner(b"k" * 32)
+    request = EffectRequest("pay:big", "acct:1", "pay", {"amount": 1e16, "n": [2.0**60]}, "a")
+    wire = signer.seal(fence.prepare(request).ticket)
+    ticket = signer.open(wire)
+    assert ticket.args == {"amount": 1e16, "n": [2.0**60]}
+    assert fence.commit(ticket, "paid").verify()
 
 
 def test_replayed_after_takeover_is_lease_lost(fence: EffectFence, clock: FakeClock) -> None:
