@@ -452,3 +452,37 @@ async def test_a_dead_childs_leftovers_are_its_own_not_those_of_the_child_after_
     assert [a.get("id") for a in answers].count(listing) == 1
     assert [a.get("id") for a in answers].count(pinged) == 1
     assert await h.stop() == 0
+
+
+async def test_what_the_standard_parser_admits_is_answered_and_never_kills_the_wrapper(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """orjson writes neither a lone surrogate nor an integer past 64 bits, which the
+    standard parser reads: a batch refusal naming such an id, a stripped request holding
+    one, or a result holding one raised out of the relay and killed the wrapper (or left
+    the call unanswered); a call nested past what the exact parser reads was never
+    answered. Each is now answered, and the wrapper lives on."""
+    h = Harness(tmp_path, monkeypatch)
+    await h.start()
+    h.raw(
+        b'[{"jsonrpc":"2.0","id":"c\\ud800","method":"tools/call","params":{"name":"charge"}},'
+        b'{"jsonrpc":"2.0","id":18446744073709551616,"method":"ping","x":NaN}]'
+    )
+    async with asyncio.timeout(BOUND):
+        while not any(line.startswith(b"[") for line in h.out):
+            await asyncio.sleep(0.01)
+    h.raw(
+        b'{"jsonrpc":"2.0","id":9,"method":"ping","params":{"_meta":'
+        b'{"io.modelcontextprotocol/protocolVersion":"2026-07-28","k":"\\ud800"}}}'
+    )
+    assert "result" in await h.answer(9)
+    deep = b'{"jsonrpc":"2.0","id":10,"method":"tools/call","params":{"name":"charge",'
+    deep += b'"arguments":{"order":' + b"[" * 1010 + b"]" * 1010 + b"}}}"
+    h.raw(deep)
+    assert (await h.answer(10))["error"]["code"] == -32600
+    call = {"name": "charge", "arguments": {"order": 3, "undecodable": True}}
+    for replayed in (False, True):
+        got = await h.answer(h.send("tools/call", call))
+        assert text(got) == "charged\udcff" and mark(got)["replayed"] is replayed, got
+    assert h.ledger() == [{"order": 3, "undecodable": True}]
+    assert await h.stop() == 0

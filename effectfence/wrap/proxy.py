@@ -118,11 +118,18 @@ def _is_memory(url: str) -> bool:
 
 
 # -- small wire helpers -------------------------------------------------------------------------
-def _line(msg: dict[str, Any]) -> bytes:
+def _dumps(value: Any) -> bytes:
+    """JSON bytes of what the wrapper sends. orjson refuses what _parse admits through the
+    standard parser (an integer past 64 bits, a lone surrogate): those are written by the
+    standard encoder, as ASCII (a lone surrogate escaped, as it came)."""
     try:
-        return orjson.dumps(msg) + b"\n"
-    except orjson.JSONEncodeError:  # an integer past 64 bits, read exactly (see _parse)
-        return json.dumps(msg, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+        return orjson.dumps(value)
+    except orjson.JSONEncodeError:
+        return json.dumps(value, separators=(",", ":")).encode()
+
+
+def _line(msg: dict[str, Any]) -> bytes:
+    return _dumps(msg) + b"\n"
 
 
 #: a line that is not JSON at all
@@ -570,8 +577,13 @@ class Proxy:
                     self._set_agent(info.get("name"))
         if method == "tools/call":
             # registered before its task runs: a cancel read right after it finds it
-            call = self.calls[cid] = _Call()
             exact = _parse(line, exact=True)
+            if exact is _UNREADABLE:  # nested past what the exact parser reads
+                self._client_error(
+                    cid, -32600, "effectfence wrap: the request is nested too deeply"
+                )
+                return
+            call = self.calls[cid] = _Call()
             call.task = self._spawn(self._tool_call(cid, exact, line, call))
             call.task.add_done_callback(lambda _: self._forget_call(cid, call))
             return
@@ -605,7 +617,7 @@ class Proxy:
             1 for m in batch if isinstance(m, dict) and m.get("method") == "tools/call"
         )
         if answers:
-            self.write_client(orjson.dumps(answers) + b"\n")
+            self.write_client(_dumps(answers) + b"\n")
 
     def _set_agent(self, name: Any) -> None:
         if type(name) is str and name.strip():
@@ -669,10 +681,17 @@ class Proxy:
             if type(rid) is str and rid.startswith(self._own_prefix):
                 msg = _parse(line, exact=True)  # an answer the wrapper records or reads
                 listing = child.listings.pop(rid, None) if child is not None else None
+                fut = child.pending.pop(rid, None) if child is not None else None
+                if msg is _UNREADABLE:  # nested past what the exact parser reads
+                    why = "the server's answer is nested too deeply to read"
+                    if listing is not None:
+                        self._client_error(listing[0], -32603, f"effectfence wrap: {why}")
+                    elif fut is not None and not fut.done():
+                        fut.set_exception(ChildGone(why))  # an unreadable answer: unknown
+                    return
                 if listing is not None:
                     self._listed(listing[0], listing[1], msg)
                     return
-                fut = child.pending.pop(rid, None) if child is not None else None
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
                 return  # an answer nobody waits for any more (a cancelled call)
@@ -852,7 +871,7 @@ class Proxy:
         params = msg.get("params")
         name = params.get("name") if isinstance(params, dict) else None
         if type(name) is not str or not isinstance(params, dict):
-            self.calls.pop(cid, None)
+            self._forget_call(cid, call)
             await self._forward(line, cid, msg)
             return
         modern = _is_modern(params)
@@ -868,12 +887,12 @@ class Proxy:
                 return
             for role, own in self.own_names.items():
                 if name == own and (role != "clear" or self.allow_clear):
-                    self.calls.pop(cid, None)
+                    self._forget_call(cid, call)
                     await self._own_tool(cid, modern, role, params)
                     return
             tp = self.policy.for_tool(name)
             if not tp.fenced(self.tools.get(name)):
-                self.calls.pop(cid, None)  # the child's now: a cancel is relayed to it
+                self._forget_call(cid, call)  # the child's now: a cancel is relayed to it
                 self.stats.passed += 1
                 self.stats.tool(name, "passed")
                 await self._forward(line, cid, msg)
@@ -1128,7 +1147,7 @@ class Proxy:
             refused["structuredContent"] = payload
             self._answer(cid, modern, refused)
             return
-        text = orjson.dumps(data, option=orjson.OPT_INDENT_2).decode()
+        text = json.dumps(data, indent=2)
         self._answer(
             cid, modern, {"content": [{"type": "text", "text": text}], "structuredContent": data}
         )
