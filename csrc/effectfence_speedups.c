@@ -630,9 +630,14 @@ typedef struct {
     vectorcallfunc vectorcall;
 } RequestInit;
 
+/* A name the Python __init__ would take as it is: ASCII, 1..max_name long, no NUL (a
+ * store's text cannot hold one; the Python __init__ refuses it, naming it). */
 static int plain_name(PyObject *o, Py_ssize_t max_name) {
-    return PyUnicode_CheckExact(o) && PyUnicode_IS_ASCII(o) && PyUnicode_GET_LENGTH(o) > 0 &&
-           PyUnicode_GET_LENGTH(o) <= max_name;
+    if (!PyUnicode_CheckExact(o) || !PyUnicode_IS_ASCII(o)) {
+        return 0;
+    }
+    Py_ssize_t len = PyUnicode_GET_LENGTH(o);
+    return len > 0 && len <= max_name && memchr(PyUnicode_1BYTE_DATA(o), 0, (size_t)len) == NULL;
 }
 
 static PyObject *ri_vectorcall(RequestInit *ri, PyObject *const *args, size_t nargsf,

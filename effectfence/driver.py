@@ -178,7 +178,8 @@ def drive(
         cert = yield from _record(fence, ticket, result)
     except InvalidRequest as exc:
         # it ran, but its result can't be recorded: fence the intent, say why
-        reason = f"result not recordable: {exc.message}"[:1000]
+        # (a message may quote the value: a NUL in it would make the abort refused too)
+        reason = f"result not recordable: {exc.message}"[:1000].replace("\x00", "\\0")
         with contextlib.suppress(StoreUnavailable):
             yield from _again(functools.partial(fence.abort, ticket, reason))
         raise

@@ -84,6 +84,10 @@ DEFAULT_SWEEP_INTERVAL = 1.0
 DEFAULT_SWEEP_BATCH = 10_000
 
 #: what a commit refused store_unavailable tells its caller to do (the effect has run)
+UNRECORDABLE_RESULT_RECOVER = (
+    "the effect ran: do NOT run it again; commit a result that can be recorded (smaller, "
+    "JSON only) with the same ticket, or abort the ticket so the intent is fenced"
+)
 COMMIT_UNAVAILABLE_RECOVER = (
     "the effect ran but its result is not recorded yet: call commit again with the same "
     "ticket and result (safe to repeat); do NOT run the effect again"
@@ -389,7 +393,12 @@ class EffectFence:
         try:
             return canonical_bytes(result, max_depth=cfg.max_depth, max_bytes=cfg.max_result_bytes)
         except CanonicalError as exc:
-            raise InvalidRequest(f"result of {intent!r}: {exc}", intent=intent) from exc
+            # the effect ran: "fix the call" alone invites running it again (found by review)
+            raise InvalidRequest(
+                f"result of {intent!r}: {exc}",
+                intent=intent,
+                recover=UNRECORDABLE_RESULT_RECOVER,
+            ) from exc
 
     # -- prepare ------------------------------------------------------------------------------
     def prepare(self, request: EffectRequest) -> Admission:
@@ -742,8 +751,10 @@ class EffectFence:
 
     def abort(self, ticket: PreparedEffect, reason: str = "aborted") -> None:
         """The outcome is unknown: fence the intent until an operator clears it (G9)."""
-        if type(reason) is not str or not reason or len(reason) > 4096:
-            raise InvalidRequest("abort reason must be a non-empty string of at most 4096 chars")
+        if type(reason) is not str or not reason or len(reason) > 4096 or "\x00" in reason:
+            raise InvalidRequest(
+                "abort reason must be a non-empty string of at most 4096 chars, without NUL"
+            )
         self._check_ticket("abort", ticket)
         step = self._ticket_step(
             self.store.fail, ticket.intent, ticket.token, reason, reclaim_after=self._failed_reclaim
@@ -794,8 +805,8 @@ class EffectFence:
         ``force``: its holder may be running the effect right now, and an attempt admitted
         after the clear would run it a second time. Returns the audit entry, or None when
         there was no record (nothing cleared, nothing recorded)."""
-        if type(intent) is not str or not intent:
-            raise InvalidRequest("intent must be a non-empty string")
+        if type(intent) is not str or not intent or "\x00" in intent:
+            raise InvalidRequest("intent must be a non-empty string without NUL")
         if type(reason) is not str or not reason.strip() or len(reason) > MAX_CLEAR_TEXT:
             raise InvalidRequest(
                 f"a clear needs a reason: a non-empty string of at most {MAX_CLEAR_TEXT} chars",
@@ -857,21 +868,21 @@ class EffectFence:
 
     def intent_status(self, intent: str) -> IntentStatus:
         """One intent's state now, as a value. Never creates state (G8)."""
-        if type(intent) is not str or not intent:
-            raise InvalidRequest("intent must be a non-empty string")
+        if type(intent) is not str or not intent or "\x00" in intent:
+            raise InvalidRequest("intent must be a non-empty string without NUL")
         rec, now = self.store.read(intent)
         return status_of(intent, rec, now)
 
     def current(self, domain: str) -> int:
         """The domain's last reserved seq (the floor if it does not exist). Creates nothing."""
-        if type(domain) is not str or not domain:
-            raise InvalidRequest("domain must be a non-empty string")
+        if type(domain) is not str or not domain or "\x00" in domain:
+            raise InvalidRequest("domain must be a non-empty string without NUL")
         return self.store.current(domain)
 
     def evict_domain(self, domain: str) -> int | None:
         """Forget a domain's counter; refused while an attempt is in flight on it (G5)."""
-        if type(domain) is not str or not domain:
-            raise InvalidRequest("domain must be a non-empty string")
+        if type(domain) is not str or not domain or "\x00" in domain:
+            raise InvalidRequest("domain must be a non-empty string without NUL")
         step = self.store.evict_domain(domain)
         if step.outcome is BUSY:
             raise IntentInFlight(

@@ -55,8 +55,11 @@ def _name(field: str, value: object) -> str:
 
 
 def _utf8(field: str, value: str) -> None:
-    """Every name ends up in a certificate: one that cannot be encoded (a lone surrogate)
-    must be refused now, not discovered at commit after the effect ran."""
+    """Every name ends up in a certificate and in a store's text: one that cannot be
+    encoded (a lone surrogate) or held (NUL: PostgreSQL's text and jsonb refuse it) must
+    be refused now, not discovered at commit after the effect ran."""
+    if "\x00" in value:
+        raise InvalidRequest(f"{field} contains a NUL character, which a store cannot hold")
     if not value.isascii():
         try:
             value.encode("utf-8")
@@ -135,13 +138,28 @@ class EffectRequest:
     ) -> None:
         # Inline checks: this runs once per attempt, duplicates included (the hot path).
         n = MAX_NAME_LENGTH
-        if type(intent) is not str or not 0 < len(intent) <= n or not intent.isascii():
+        if (
+            type(intent) is not str
+            or not 0 < len(intent) <= n
+            or not intent.isascii()
+            or "\x00" in intent
+        ):
             _name("intent", intent)
-        if type(domain) is not str or not 0 < len(domain) <= n or not domain.isascii():
+        if (
+            type(domain) is not str
+            or not 0 < len(domain) <= n
+            or not domain.isascii()
+            or "\x00" in domain
+        ):
             _name("domain", domain)
-        if type(tool) is not str or not 0 < len(tool) <= n or not tool.isascii():
+        if type(tool) is not str or not 0 < len(tool) <= n or not tool.isascii() or "\x00" in tool:
             _name("tool", tool)
-        if type(agent) is not str or not 0 < len(agent) <= n or not agent.isascii():
+        if (
+            type(agent) is not str
+            or not 0 < len(agent) <= n
+            or not agent.isascii()
+            or "\x00" in agent
+        ):
             _name("agent", agent)
         self.intent = intent
         self.domain = domain

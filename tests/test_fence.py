@@ -287,6 +287,42 @@ def test_g6_read_set_moving_during_effect_fails_commit(fence: EffectFence) -> No
         fence.prepare(req())
 
 
+def test_a_nul_in_a_name_a_clock_agent_or_a_reason_is_refused_before_anything_runs(
+    fence: EffectFence,
+) -> None:
+    """PostgreSQL's text and jsonb cannot hold U+0000: a clock agent with one made the
+    commit fail with a raw driver error after the effect ran, the intent stayed in flight,
+    and once its lease lapsed an identical call ran the effect again; an abort reason with
+    one left the intent in flight too (found by review). Every store now refuses them the
+    same way, typed, before anything is decided."""
+    before = snapshot(fence, ["charge:order-1"], ["order:1"])
+    for bad in (
+        lambda: req(intent="x\x00"),
+        lambda: req(domain="order:\x00"),
+        lambda: req(agent="a\x00"),
+        lambda: EffectRequest("charge:order-1", "order:1", "charge\x00", {}),
+        lambda: req(known_clock={"ag\x00": 1}),
+        lambda: req(read_set=[("inv\x00", 1)]),
+    ):
+        with pytest.raises(InvalidRequest, match="NUL"):
+            fence.prepare(bad())
+    assert snapshot(fence, ["charge:order-1"], ["order:1"]) == before
+    for look in (
+        lambda: fence.intent_status("x\x00"),
+        lambda: fence.current("order:\x00"),
+        lambda: fence.evict_domain("order:\x00"),
+        lambda: fence.clear("x\x00", reason="r", who="ops"),
+    ):
+        with pytest.raises(InvalidRequest, match="NUL"):
+            look()
+    t = fresh(fence)
+    with pytest.raises(InvalidRequest, match="NUL"):
+        fence.abort(t, "gateway said \x00")
+    assert fence.intent_status("charge:order-1").state == "in_flight"
+    fence.abort(t, "gateway said nothing")
+    assert fence.intent_status("charge:order-1").state == "failed"
+
+
 def test_g6_expected_seq_judged_against_own_reservation(fence: EffectFence) -> None:
     base = fence.current("order:1")
     t = fresh(fence, req(expected_seq=base))
@@ -497,8 +533,10 @@ def test_oversized_and_deep_payloads_refused(make_fence: FenceFactory) -> None:
     with pytest.raises(InvalidRequest):
         fence.prepare(req(args={"deep": deep}))
     t = fresh(fence)
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(InvalidRequest) as too_big:
         fence.commit(t, "y" * 200)
+    # the effect ran: the refusal must not read as "fix the call and run it again"
+    assert "do NOT run it again" in too_big.value.recover
     with pytest.raises(InvalidRequest):
         fence.commit(t, {"x": math.nan})
     assert fence.intent_status(t.intent).state == "in_flight"  # nothing half-written

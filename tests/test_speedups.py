@@ -215,7 +215,7 @@ def test_c_string_declines_lone_surrogates_and_subclasses() -> None:
 
 _names = st.one_of(
     st.text(max_size=6),
-    st.sampled_from(["", "x" * 512, "x" * 513, "caf\u00e9", "a\ud800", "\U0001f600"]),
+    st.sampled_from(["", "x" * 512, "x" * 513, "caf\u00e9", "a\ud800", "\U0001f600", "a\x00"]),
     st.sampled_from([None, 5, b"bytes"]),
 )
 _req_args = st.sampled_from([None, {}, {"a": 1}, [("a", 1)], "text", 7])
@@ -249,7 +249,17 @@ def test_request_init_in_c_builds_or_refuses_exactly_as_the_python_init(
 @needs_c
 @pytest.mark.parametrize(
     "call",
-    [("", "d", "t"), ("i", "d", "x" * 513), ("i", "d", "t", {}, ""), ("i", "d", "t", [1])],
+    [
+        ("", "d", "t"),
+        ("i", "d", "x" * 513),
+        ("i", "d", "t", {}, ""),
+        ("i", "d", "t", [1]),
+        # NUL: PostgreSQL's text cannot hold it, found at commit after the effect ran
+        ("i\x00", "d", "t"),
+        ("i", "d\x00", "t"),
+        ("i", "d", "\x00"),
+        ("i", "d", "t", {}, "a\x00"),
+    ],
 )
 def test_request_init_in_c_refuses_what_python_refuses(call: tuple[Any, ...]) -> None:
     with pytest.raises(InvalidRequest):

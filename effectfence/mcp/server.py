@@ -170,6 +170,8 @@ report success; check fence_status and reconcile. read_set_stale -> the effect r
 domain you read moved meanwhile; the intent is now failed: reconcile. store_unavailable ->
 the result is NOT recorded yet: call fence_commit again with the same ticket and result (safe
 to repeat), and do NOT run the real tool again; if it keeps failing, fence_abort.
+invalid_request -> the result can't be recorded (too large, not JSON): the effect RAN, do
+NOT run it again; commit a smaller result with the same ticket, or fence_abort.
 invalid_ticket -> pass the ticket exactly as fence_prepare returned it."""
 
 _ABORT_DESC = """\
