@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -827,6 +828,58 @@ def test_pg_a_forked_child_never_uses_its_parents_connections(pg: Any) -> None:
         foreign.close()
         theirs_pool.close()
         drop_pg_schema(schema)
+
+
+def test_pg_sealing_key_cut_mid_insert_is_unavailable_or_the_key(pg: Any) -> None:
+    """The key's insert cut (applied or not): the store answers the key it holds, or
+    store_unavailable, never its internal _Lost (found by review)."""
+    import psycopg
+
+    real = pg._execute
+    for applies in (False, True):
+        pg._key = None
+
+        def cut(conn: Any, query: Any, params: Any, applies: bool = applies) -> Any:
+            if "sealing_key" in str(query) and "INSERT" in str(query):
+                if applies:
+                    real(conn, query, params)
+                conn.close()
+                raise psycopg.OperationalError("server closed the connection unexpectedly")
+            return real(conn, query, params)
+
+        pg._execute = cut
+        try:
+            if applies:
+                assert len(pg.sealing_key()) == 32
+            else:
+                with pytest.raises(StoreUnavailable):
+                    pg.sealing_key()
+        finally:
+            pg._execute = real
+
+
+def _pg_close_in_child(store: Any) -> None:
+    store.close()  # leaving an inherited ``with fence:``, say
+    os._exit(0)
+
+
+def test_pg_a_forked_childs_close_leaves_its_parents_sessions_alone(pg: Any) -> None:
+    """close() in a child that never used the store closed the pool it inherited, sending
+    a Terminate on the parent's sockets (found by review)."""
+    import multiprocessing
+
+    with pg._conn("test") as conn:
+        backend = conn.execute("SELECT pg_backend_pid()").fetchone()[0]
+    proc = multiprocessing.get_context("fork").Process(target=_pg_close_in_child, args=(pg,))
+    proc.start()
+    proc.join(30)
+    assert proc.exitcode == 0
+    with _pg_admin() as admin:
+        alive = admin.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE pid = %s", (backend,)
+        ).fetchone()[0]
+    assert alive == 1, "the child's close() ended the parent's session"
+    assert EffectFence(store=pg).prepare(req("charge:after-fork")).fresh
 
 
 def test_redis_own_connections_keep_the_max_connections_bound() -> None:

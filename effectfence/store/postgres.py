@@ -1082,19 +1082,26 @@ class PostgresStore(FenceStore):
         and opens tickets with the same key."""
         if self._key is None:
             s = self._s
-            self._run(
-                "sealing_key",
-                sql.SQL(
-                    "INSERT INTO {}.meta (key, value) VALUES ('sealing_key', %s) "
-                    "ON CONFLICT (key) DO NOTHING"
-                ).format(s),
-                (secrets.token_hex(32),),
-            )
+            with contextlib.suppress(_Lost):  # it may have applied: the read below says
+                self._run(
+                    "sealing_key",
+                    sql.SQL(
+                        "INSERT INTO {}.meta (key, value) VALUES ('sealing_key', %s) "
+                        "ON CONFLICT (key) DO NOTHING"
+                    ).format(s),
+                    (secrets.token_hex(32),),
+                )
             rows = self._read(
                 "sealing_key",
                 sql.SQL("SELECT value FROM {}.meta WHERE key = 'sealing_key'").format(s),
                 (),
             )
+            if not rows:  # its insert was cut before it applied
+                raise StoreUnavailable(
+                    f"the PostgreSQL store {self.schema!r} could not store its sealing key "
+                    "(the connection was cut); nothing was decided",
+                    operation="sealing_key",
+                )
             self._key = bytes.fromhex(rows[0][0])
         return self._key
 
@@ -1548,8 +1555,14 @@ class PostgresStore(FenceStore):
 
     # -- lifetime -----------------------------------------------------------------------------
     def close(self) -> None:
-        """Close the pool (if the store opened it) and the listener."""
+        """Close the pool (if the store opened it) and the listener. In a forked child that
+        never used the store, the parent's connections are left alone: closing them would
+        send a Terminate on sockets the parent still uses (found by review)."""
         if self._closed:
+            return
+        if self._fork != _fork.generation():
+            _fork.abandon(self._pool, self._listen_conn)
+            self._closed = True
             return
         self._closed = True
         if getattr(self, "_own_pool", False):
