@@ -400,6 +400,68 @@ def test_g8_sweep_reclaims_only_expired(fence: EffectFence, clock: FakeClock) ->
     assert fence.sweep() == 0
 
 
+@pytest.mark.parametrize("kind", ["memory-python", "memory-c"])
+def test_g8_two_limited_sweeps_stopping_in_two_buckets_lose_neither(
+    kind: str, clock: FakeClock
+) -> None:
+    """Every prepare runs a limited sweep when entries are due, so limited sweeps run
+    concurrently. Each remembered the bucket it stopped in in one slot: the second to stop
+    overwrote the first, whose bucket (already off the wheel) was never visited again, and
+    its expired records were never reclaimed (found by review). Sweep A is held inside
+    bucket 1 while sweep B stops inside bucket 2."""
+    import threading
+
+    from effectfence.store.cmemory import memory_store
+    from effectfence.store.memory import MemoryStore
+
+    store = MemoryStore(clock=clock) if kind == "memory-python" else memory_store(clock=clock)
+    if kind == "memory-c" and type(store) is MemoryStore:
+        pytest.skip("the C memory store is not built")
+    cfg = FenceConfig(lease_ttl=5, result_ttl=10, lapsed_grace=0, auto_sweep=False)
+    fence = EffectFence(cfg, store=store)
+
+    def commit(intent: str) -> None:
+        fence.commit(fresh(fence, EffectRequest(intent, "d", "t", {}, "a")), "ok")
+
+    def stripe(intent: str) -> int:
+        return hash(intent) & store._mask
+
+    first = ["x1", "x2"]
+    for intent in first:
+        commit(intent)  # one bucket
+    clock.advance(1.0)
+    second = [n for n in (f"y{i}" for i in range(200)) if stripe(n) != stripe("x1")][:2]
+    for intent in second:
+        commit(intent)  # the next bucket
+    clock.advance(6.5)
+    assert fence.sweep() == 0  # the leases' entries: their records are done, spared
+    clock.advance(100)  # every result has expired
+    lock = store._locks[stripe("x1")]
+    entered, go = threading.Event(), threading.Event()
+
+    class Held:  # sweep A waits inside bucket 1, at x1's stripe
+        def __enter__(self) -> None:
+            if threading.current_thread().name == "A" and not go.is_set():
+                entered.set()
+                go.wait(10)
+            lock.acquire()
+
+        def __exit__(self, *exc: object) -> None:
+            lock.release()
+
+    store._locks[stripe("x1")] = Held()
+    a = threading.Thread(target=fence.sweep, args=(1,), name="A")
+    a.start()
+    assert entered.wait(10)
+    fence.sweep(1)  # B: takes bucket 2 and stops inside it
+    go.set()
+    a.join(10)
+    store._locks[stripe("x1")] = lock
+    while fence.sweep():
+        pass
+    assert [i for i in first + second if store.get(i) is not None] == []
+
+
 def test_g8_queries_never_create_state(fence: EffectFence) -> None:
     size = fence.store.size()
     assert fence.intent_status("nothing:here").state == "absent"

@@ -116,8 +116,10 @@ class MemoryStore(FenceStore):
         self._wheel_lock = threading.Lock()
         # the first bucket that is not yet due, as a deadline: a one-compare "anything due?"
         self._next_due = math.inf
-        # (bucket, position) of a due bucket a limited sweep stopped in
-        self._partial: tuple[list[tuple[str, int]], int] | None = None
+        # (bucket, position) of each due bucket a limited sweep stopped in: one each, as
+        # limited sweeps run concurrently (every prepare runs one when entries are due); a
+        # single slot lost the first bucket's rest when a second sweep stopped elsewhere
+        self._partial: list[tuple[list[tuple[str, int]], int]] = []
         # the operator's audit trail: (id, at, entry JSON), bounded, appended under the
         # intent's stripe lock (with the delete) and then this lock
         self._audit: collections.deque[tuple[int, float, str]] = collections.deque(
@@ -164,7 +166,7 @@ class MemoryStore(FenceStore):
                     if bucket is None:
                         bucket = self._wheel[b] = []
                         heapq.heappush(self._due, b)
-                        if self._partial is None:
+                        if not self._partial:
                             self._next_due = self._due[0] * self._g
             bucket.append(entry)
             # A sweep may have taken this bucket between the lookup and the append (only if
@@ -500,10 +502,8 @@ class MemoryStore(FenceStore):
         g = self._g
         while True:
             with self._wheel_lock:
-                part = self._partial
-                if part is not None:  # a bucket an earlier, limited sweep did not finish
-                    self._partial = None
-                    bucket, start = part
+                if self._partial:  # a bucket an earlier, limited sweep did not finish
+                    bucket, start = self._partial.pop()
                 elif not self._due or self._due[0] * g > now:
                     self._next_due = self._due[0] * g if self._due else math.inf
                     break
@@ -515,7 +515,7 @@ class MemoryStore(FenceStore):
             for i in range(start, len(bucket)):
                 if limit is not None and visited >= limit:
                     with self._wheel_lock:  # keep the rest, O(1): resume here next time
-                        self._partial = (bucket, i)
+                        self._partial.append((bucket, i))
                         self._next_due = now
                     return reclaimed
                 intent, token = bucket[i]
