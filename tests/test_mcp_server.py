@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -825,12 +826,24 @@ def test_serve_refuses_unknown_stores_without_echoing_credentials(
         ["--bogus"],
         ["--console"],  # the console is mounted on the HTTP server only
         ["--http", "0", "--show-payload"],  # payloads are the console's, and only with it
+        ["--store", ""],  # an unset variable: never the shared default ledger by accident
+        ["--store", "  "],
     ],
 )
 def test_serve_refuses_bad_options(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2
+
+
+def test_serve_that_cannot_open_its_store_says_so_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A missing directory (or an unreachable server) printed a traceback."""
+    assert main(["--store", f"sqlite:///{tmp_path}/no-such-dir/fence.db"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("effectfence serve: can't open the store: ") and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_serve_refuses_a_short_ticket_key(

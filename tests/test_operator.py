@@ -147,6 +147,24 @@ def test_intents_list_filters_and_hides_payloads(fence: EffectFence, clock: Fake
     assert code == 0 and "bank timeout" in text and "(4 intents)" in text and SECRET not in text
 
 
+def test_agent_and_age_filters_find_matches_past_the_first_limit_records(
+    fence: EffectFence, clock: FakeClock
+) -> None:
+    """The store was asked for ``--limit`` records and the agent and age filters judged
+    only those: a match past them was silently missing, exit 0 (found by review)."""
+    for n in range(12):
+        aborted(fence, f"a{n:02}")
+    clock.advance(120.0)
+    fence.abort(fence.prepare(req("z", agent="ops-bot")).ticket, "late")  # type: ignore[union-attr]
+    _, text = run(intents.main, fence, "list", "--json", "--limit", "5", "--agent", "ops-bot")
+    assert [r["intent"] for r in json.loads(text)] == ["charge:z"]
+    _, text = run(intents.main, fence, "list", "--json", "--limit", "3", "--older-than", "1m")
+    assert len(json.loads(text)) == 3  # the limit still bounds what is shown
+    with pytest.raises(SystemExit) as bad:
+        run(intents.main, fence, "watch", "--interval", "-1")
+    assert bad.value.code == 2  # refused at parse time, not a traceback after the first look
+
+
 def test_intents_show_and_clear_with_reason(fence: EffectFence) -> None:
     aborted(fence, 1)
     committed(fence, 2)

@@ -1016,6 +1016,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--tokens, --allow-host and --console apply to --http only")
     if args.show_payload and not args.console:
         parser.error("--show-payload applies to --console only")
+    if args.store is not None and not args.store.strip():
+        # an unset shell variable, say: never the shared default ledger by accident
+        parser.error("--store is empty: give a store URL, or leave --store out for the default")
     store_url = args.store or default_store_url()
     try:
         config = FenceConfig(lease_ttl=args.lease_ttl, result_ttl=args.result_ttl)
@@ -1024,6 +1027,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         hint = f" (check {TICKET_KEY_ENV})" if "key" in str(exc) else ""
         parser.error(f"{exc}{hint}")
+    except (StoreUnavailable, RuntimeError, OSError) as exc:  # one line, not a traceback
+        print(f"effectfence serve: can't open the store: {exc}", file=sys.stderr)
+        return 1
     configure_logging(args.log_level or ("off" if bind is None else "info"))
     metrics = Metrics()
     server = build_server(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from typing import Any, TextIO
@@ -33,6 +34,26 @@ from effectfence.operator.views import (
 __all__ = ["main"]
 
 NOT_FOUND = 3
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (0 < value < math.inf):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds over 0, got {text!r}")
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -58,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
         type=parse_duration,
         help="failed that long, or lease lapsed that long ago (90s, 10m, 2h, 1d)",
     )
-    filters.add_argument("--limit", type=int, default=1000, help="at most this many records")
+    filters.add_argument("--limit", type=_positive, default=1000, help="at most this many records")
 
     p = argparse.ArgumentParser(
         prog="effectfence intents",
@@ -78,8 +99,12 @@ def _parser() -> argparse.ArgumentParser:
         help="also clear an intent in flight under a live lease (its holder may be running it)",
     )
     watch = sub.add_parser("watch", parents=[common, filters], help="follow changes as they come")
-    watch.add_argument("--interval", type=float, default=1.0, help="seconds between looks")
-    watch.add_argument("--count", type=int, help="stop after this many looks (default: never)")
+    watch.add_argument(
+        "--interval", type=_seconds, default=1.0, help="seconds between looks (over 0)"
+    )
+    watch.add_argument(
+        "--count", type=_positive, help="stop after this many looks (default: never)"
+    )
     return p
 
 

@@ -162,6 +162,10 @@ def clear_view(intent: str, entry: AuditEntry | None) -> dict[str, Any]:
     }
 
 
+#: records an agent or age filter looks through (the store filters state and domain)
+FILTER_SCAN = 100_000
+
+
 def list_intents(
     fence: EffectFence,
     *,
@@ -173,20 +177,28 @@ def list_intents(
     show_payload: bool = False,
 ) -> list[dict[str, Any]]:
     """Records of the given state filters (``STATE_FILTERS`` keys; none: all), domain and
-    agents, as :func:`intent_view` dicts. ``older_than`` keeps failed intents failed that
-    long and in-flight ones whose lease lapsed that long ago (the store keeps no other age)."""
+    agents, as :func:`intent_view` dicts, at most ``limit``. ``older_than`` keeps failed
+    intents failed that long and in-flight ones whose lease lapsed that long ago (the store
+    keeps no other age). The store filters by state and domain; agents and age are judged
+    here, over up to :data:`FILTER_SCAN` records (the first ``limit`` records alone hid
+    every match past them, found by review)."""
     wanted: list[State] = []
     for name in states:
         wanted.extend(STATE_FILTERS[name])
     who = set(agents)
     store = fence.store
     now = store.now()
-    out = []
-    for rec in store.records(states=tuple(wanted), domain=domain, limit=limit):
+    out: list[dict[str, Any]] = []
+    if limit <= 0:
+        return out
+    scan = max(limit, FILTER_SCAN) if who or older_than is not None else limit
+    for rec in store.records(states=tuple(wanted), domain=domain, limit=scan):
         if who and rec.agent not in who:
             continue
         view = intent_view(rec.intent, rec, now, show_payload=show_payload)
         if older_than is not None and not (view["age"] is not None and view["age"] >= older_than):
             continue
         out.append(view)
+        if len(out) >= limit:
+            break
     return out

@@ -1387,6 +1387,8 @@ def main(argv: list[str] | None = None) -> int:
         policy = Policy.load(args.policy) if args.policy else Policy()
     except PolicyError as exc:
         parser.error(str(exc))
+    if args.store is not None and not args.store.strip():
+        parser.error("--store is empty: give a store URL, or leave --store out for the default")
     store_url = args.store or _default_store_url()
 
     async def run() -> int:
