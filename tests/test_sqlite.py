@@ -10,6 +10,7 @@ outside the store, opened O_APPEND by every process.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import signal
@@ -155,6 +156,39 @@ def test_refuses_a_foreign_database(tmp_path: Path) -> None:
     conn = sqlite3.connect(path)
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
     conn.close()
+
+
+@pytest.mark.parametrize("version", [None, 1])
+def test_a_foreign_database_with_a_table_named_meta_is_refused_untouched(
+    tmp_path: Path, version: int | None
+) -> None:
+    """A table named meta was taken as the mark of a fence store: a browser's History file
+    was switched to WAL before being refused, and an app whose meta table held
+    schema_version=1 was adopted, the fence's tables created in it (found by review)."""
+    path = str(tmp_path / "app.db")
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value)")
+    conn.execute("CREATE TABLE users (id INTEGER)")
+    if version is not None:
+        conn.execute("INSERT INTO meta VALUES ('schema_version', ?)", (version,))
+    conn.commit()
+    conn.close()
+    with pytest.raises(StoreSchemaError, match="not an effectfence store"):
+        SQLiteStore(path)
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    assert tables == {"meta", "users"}
+    conn.close()
+
+
+def test_a_busy_timeout_sqlite_cannot_count_is_refused(tmp_path: Path) -> None:
+    """sqlite3 hands it on as int milliseconds: past 2**31-1 it wrapped negative and SQLite
+    stopped waiting for the lock at all (every contended step failed at once)."""
+    for bad in (math.inf, 30 * 86400.0, -1.0, math.nan):
+        with pytest.raises(ValueError, match="busy_timeout"):
+            SQLiteStore(str(tmp_path / "t.db"), busy_timeout=bad)
+    SQLiteStore(str(tmp_path / "t.db"), busy_timeout=2_000_000.0).close()
 
 
 def test_refuses_a_file_that_is_not_sqlite(tmp_path: Path) -> None:
@@ -1679,6 +1713,12 @@ def test_default_store_url_env_override(tmp_path: Path, monkeypatch: pytest.Monk
         assert (
             default_store_url() == f"sqlite:///{str(tmp_path).lstrip('/')}/x/effectfence/fence.db"
         )
+    for odd in ("state%41dir", "state?dir", "state#1"):  # quoted: the URL names that file
+        monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / odd))
+        store = open_store(default_store_url())
+        assert store.path == str(tmp_path / odd / "effectfence" / "fence.db")
+        assert open_store(store.describe()["url"]).path == store.path
+        store.close()
     monkeypatch.setenv("XDG_STATE_HOME", "relative/ignored")
     monkeypatch.setenv("HOME", str(tmp_path / "h"))
     if sys.platform.startswith("linux"):

@@ -12,6 +12,7 @@ import re
 import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from effectfence.store.base import FenceStore, Head, Outcome, Step
 from effectfence.store.memory import MemoryStore
@@ -98,7 +99,13 @@ def default_store_url() -> str:
         return env
     directory = state_dir() / "effectfence"
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return "sqlite:///" + str(directory / "fence.db").lstrip("/")
+    return sqlite_url(str(directory / "fence.db"))
+
+
+def sqlite_url(path: str) -> str:
+    """The URL of the SQLite file at absolute ``path``: quoted, so a directory named with
+    ``%`` or ``?`` names that file and not another (found by review)."""
+    return "sqlite:///" + quote(path.lstrip("/"), safe="/")
 
 
 def redact(url: str) -> str:

@@ -63,7 +63,7 @@ from urllib.parse import parse_qsl, unquote
 from effectfence.clock import merge_counts
 from effectfence.errors import StoreUnavailable
 from effectfence.protocol import IntentRecord, State
-from effectfence.store import _fork
+from effectfence.store import _fork, sqlite_url
 from effectfence.store.base import (
     APPLIED,
     BUSY,
@@ -98,6 +98,7 @@ __all__ = [
 SCHEMA_VERSION = 1
 #: how long a step waits for another process's write lock before reporting unavailable
 DEFAULT_BUSY_TIMEOUT = 10.0
+_MAX_BUSY_TIMEOUT = (2**31 - 1) / 1000  # SQLite's timeout is a C int of milliseconds
 #: SQLITE_BUSY and SQLITE_LOCKED: the low byte of an extended result code names its class
 _BUSY_CODES = (5, 6)
 #: a wall-clock reading this far behind the last one is a step back: readers rebase
@@ -415,6 +416,22 @@ CREATE INDEX IF NOT EXISTS audit_intent ON audit (intent, id);
 """
 
 
+def _ours(conn: sqlite3.Connection, tables: set[str]) -> bool:
+    """Whether a non-empty file is a fence store: its tables, and the marks its creation
+    wrote (an integer schema version and a store id), read without writing anything."""
+    if not {"meta", "fence", "intents"} <= tables:
+        return False
+    try:
+        marks = dict(
+            conn.execute(
+                "SELECT key, value FROM meta WHERE key IN ('schema_version', 'store_id')"
+            ).fetchall()
+        )
+    except sqlite3.Error:  # a meta table of another shape
+        return False
+    return type(marks.get("schema_version")) is int and type(marks.get("store_id")) is str
+
+
 class StoreSchemaError(RuntimeError):
     """The database file was written by a newer effectfence, or is not a fence store."""
 
@@ -469,8 +486,12 @@ class SQLiteStore(FenceStore):
         sync = _SYNC.get(str(synchronous).lower())
         if sync is None:
             raise ValueError(f"synchronous must be 'full' or 'normal', got {synchronous!r}")
-        if not busy_timeout >= 0:
-            raise ValueError("busy_timeout must be >= 0 seconds")
+        if not 0 <= busy_timeout <= _MAX_BUSY_TIMEOUT:
+            # sqlite3 passes it on as int milliseconds: past 2**31-1 the count wraps
+            # negative and SQLite stops waiting for the lock at all (found by review)
+            raise ValueError(
+                f"busy_timeout must be 0 to {_MAX_BUSY_TIMEOUT:g} seconds, got {busy_timeout!r}"
+            )
         if cert_retention is not None and not cert_retention >= 0:
             raise ValueError("cert_retention must be >= 0 seconds, or None to keep forever")
         self.path = os.path.abspath(path)
@@ -541,7 +562,7 @@ class SQLiteStore(FenceStore):
         return {
             "store": self.name,
             "path": self.path,
-            "url": f"sqlite:///{self.path.lstrip('/')}"
+            "url": sqlite_url(self.path)
             + ("?synchronous=normal" if self.synchronous == "NORMAL" else ""),
             "journal_mode": self.journal_mode,
             "synchronous": self.synchronous.lower(),
@@ -836,7 +857,9 @@ class SQLiteStore(FenceStore):
             # a file that is not ours is refused before anything is written to it (the
             # switch to WAL below is persistent: it would change another program's file)
             tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master")}
-            if tables and "meta" not in tables:
+            if tables and not _ours(conn, tables):
+                # a table named meta is not enough: another program's file was switched to
+                # WAL, or adopted, on that alone (found by review)
                 tables_list = ", ".join(sorted(tables))
                 raise self._foreign(
                     f"is a SQLite database but not an effectfence store (tables: {tables_list})"
