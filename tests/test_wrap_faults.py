@@ -480,9 +480,18 @@ async def test_what_the_standard_parser_admits_is_answered_and_never_kills_the_w
     deep += b'"arguments":{"order":' + b"[" * 1010 + b"]" * 1010 + b"}}}"
     h.raw(deep)
     assert (await h.answer(10))["error"]["code"] == -32600
+    deep_id = b"[" * 1015 + b"]" * 1015  # read by orjson, past what the encoders write
+    h.raw(
+        b'[{"jsonrpc":"2.0","id":' + deep_id + b',"method":"tools/call","params":{}}]',
+        b'{"jsonrpc":"2.0","id":11,"method":"ping","params":{"_meta":'
+        b'{"io.modelcontextprotocol/protocolVersion":"2026-07-28"},"x":' + deep_id + b"}}",
+    )
+    assert "error" in await h.answer(11)
+    nested = await h.answer(h.send("tools/call", {"name": "charge", "arguments": {"deep": 600}}))
+    assert mark(nested)["outcome"] == "unknown"  # it ran; its answer can't be recorded
     call = {"name": "charge", "arguments": {"order": 3, "undecodable": True}}
     for replayed in (False, True):
         got = await h.answer(h.send("tools/call", call))
         assert text(got) == "charged\udcff" and mark(got)["replayed"] is replayed, got
-    assert h.ledger() == [{"order": 3, "undecodable": True}]
+    assert h.ledger() == [{"deep": 600}, {"order": 3, "undecodable": True}]
     assert await h.stop() == 0

@@ -80,6 +80,9 @@ CLIENT_INFO_KEY = MODERN_PREFIX + "clientInfo"
 OWN_ID_PREFIX = "effectfence-wrap:"
 ALLOW_CLEAR_ENV = "EFFECTFENCE_ALLOW_CLEAR"
 LINE_LIMIT = 1 << 26  # 64 MiB: a resource read can be large; one line is one message
+#: nesting the wrapper reads exactly or writes again (see _shallow); deeper lines it only
+#: relays untouched, or refuses
+MAX_DEPTH = 512
 #: results are recorded up to this size (the fence's default is 1 MiB: too small for tools)
 MAX_RESULT_BYTES = 16 << 20
 CHILD_EXIT_GRACE = 5.0  # s the child gets to exit after its stdin closes, then SIGTERM
@@ -121,11 +124,41 @@ def _is_memory(url: str) -> bool:
 def _dumps(value: Any) -> bytes:
     """JSON bytes of what the wrapper sends. orjson refuses what _parse admits through the
     standard parser (an integer past 64 bits, a lone surrogate): those are written by the
-    standard encoder, as ASCII (a lone surrogate escaped, as it came)."""
+    standard encoder, as ASCII (a lone surrogate escaped, as it came). Lines nested past
+    :data:`MAX_DEPTH` are refused before they get here (see :func:`_shallow`)."""
     try:
         return orjson.dumps(value)
     except orjson.JSONEncodeError:
         return json.dumps(value, separators=(",", ":")).encode()
+
+
+def _shallow(line: bytes) -> bool:
+    """Whether the line nests at most :data:`MAX_DEPTH` deep. orjson reads ~1000 levels,
+    the standard parser and both encoders fewer (and fewer still deeper in the stack): a
+    line the wrapper reads exactly or writes again must fit all of them, or one nested
+    past them crashed the relay (found by review). Counting brackets answers almost every
+    line at C speed; only a line with that many is walked."""
+    if line.count(b"[") + line.count(b"{") <= MAX_DEPTH:
+        return True
+    depth = 0
+    in_string = escaped = False
+    for byte in line:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):  # [ {
+            depth += 1
+            if depth > MAX_DEPTH:
+                return False
+        elif byte in (0x5D, 0x7D):  # ] }
+            depth -= 1
+    return True
 
 
 def _line(msg: dict[str, Any]) -> bytes:
@@ -544,6 +577,9 @@ class Proxy:
         if isinstance(msg, list) and any(
             isinstance(m, dict) and m.get("method") == "tools/call" for m in msg
         ):
+            if not _shallow(line):
+                self._client_error(None, -32600, "effectfence wrap: the batch is nested too deeply")
+                return
             self._refuse_batch(msg)
             return
         if not isinstance(msg, dict):
@@ -577,8 +613,8 @@ class Proxy:
                     self._set_agent(info.get("name"))
         if method == "tools/call":
             # registered before its task runs: a cancel read right after it finds it
-            exact = _parse(line, exact=True)
-            if exact is _UNREADABLE:  # nested past what the exact parser reads
+            exact = _parse(line, exact=True) if _shallow(line) else _UNREADABLE
+            if exact is _UNREADABLE:  # nested past what the wrapper reads exactly
                 self._client_error(
                     cid, -32600, "effectfence wrap: the request is nested too deeply"
                 )
@@ -631,6 +667,8 @@ class Proxy:
             if msg is not None and self.era == "legacy":
                 stripped = _strip_modern(msg)
                 if stripped is not None:
+                    if not _shallow(line):
+                        raise ChildGone("the request is nested too deeply to forward")
                     line = _line(stripped)
             if cid is not None:
                 child.relayed.add(cid)
@@ -679,7 +717,8 @@ class Proxy:
         if isinstance(msg, dict) and "method" not in msg:
             rid = msg.get("id")
             if type(rid) is str and rid.startswith(self._own_prefix):
-                msg = _parse(line, exact=True)  # an answer the wrapper records or reads
+                # an answer the wrapper records or reads, and writes again
+                msg = _parse(line, exact=True) if _shallow(line) else _UNREADABLE
                 listing = child.listings.pop(rid, None) if child is not None else None
                 fut = child.pending.pop(rid, None) if child is not None else None
                 if msg is _UNREADABLE:  # nested past what the exact parser reads
@@ -1006,7 +1045,8 @@ class Proxy:
                 f"effectfence: {exc} while `{name}` was running, so nobody knows whether it "
                 "took effect. To avoid doing it twice, identical calls are refused until an "
                 f"operator checks and clears it (intent {request.intent}; "
-                f"`{self.own_names['status']}` shows it). The server is restarted for later calls."
+                f"`{self.own_names['status']}` shows it). If the server stopped, it is "
+                "restarted for later calls."
             )
             self._answer(
                 cid,
@@ -1231,7 +1271,10 @@ class Proxy:
                 break
             if not line:
                 break
-            await self.on_client_line(line)
+            try:
+                await self.on_client_line(line)
+            except Exception as exc:  # one line must never end the relay and every call
+                _stderr(f"internal error on a client line: {exc!r}; dropped it")
             if self.fatal is not None:
                 _stderr(self.fatal)
                 break
