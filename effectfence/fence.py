@@ -805,8 +805,7 @@ class EffectFence:
         ``force``: its holder may be running the effect right now, and an attempt admitted
         after the clear would run it a second time. Returns the audit entry, or None when
         there was no record (nothing cleared, nothing recorded)."""
-        if type(intent) is not str or not intent or "\x00" in intent:
-            raise InvalidRequest("intent must be a non-empty string without NUL")
+        _check_intent(intent)
         if type(reason) is not str or not reason.strip() or len(reason) > MAX_CLEAR_TEXT:
             raise InvalidRequest(
                 f"a clear needs a reason: a non-empty string of at most {MAX_CLEAR_TEXT} chars",
@@ -861,6 +860,8 @@ class EffectFence:
     ) -> list[AuditEntry]:
         """The audit trail (of one intent, or all), oldest first: the newest ``limit``
         entries, or with ``after`` the ones recorded after that id. Never creates state."""
+        if intent is not None:
+            _check_intent(intent)
         return [
             AuditEntry.from_dict(e)
             for e in self.store.audit(intent=intent, after=after, limit=limit)
@@ -868,10 +869,15 @@ class EffectFence:
 
     def intent_status(self, intent: str) -> IntentStatus:
         """One intent's state now, as a value. Never creates state (G8)."""
-        if type(intent) is not str or not intent or "\x00" in intent:
-            raise InvalidRequest("intent must be a non-empty string without NUL")
+        _check_intent(intent)
         rec, now = self.store.read(intent)
         return status_of(intent, rec, now)
+
+    def record(self, intent: str) -> tuple[IntentRecord | None, float]:
+        """The stored record of ``intent`` and the store's clock, for the operator's views.
+        Never creates state (G8)."""
+        _check_intent(intent)
+        return self.store.read(intent)
 
     def current(self, domain: str) -> int:
         """The domain's last reserved seq (the floor if it does not exist). Creates nothing."""
@@ -921,6 +927,7 @@ class EffectFence:
         when it is not (any more). Woken by this process's transitions at once, and by
         other processes' through the store (:meth:`FenceStore.wait_for_change`).
         Registered before the check, so no transition is missed; unregistered after."""
+        _check_intent(intent)
         with self._waiters_lock:
             w = self._waiters.get(intent)
             if w is None:
@@ -981,6 +988,13 @@ class EffectFence:
 def _moved(op: str, intent: str) -> LeaseLost:
     """The step found the record no longer in flight under the ticket: not ours to finish."""
     return LeaseLost(f"can't {op} {intent!r}: the lease moved", intent=intent)
+
+
+def _check_intent(intent: object) -> None:
+    """A name a query may look up: a store cannot hold NUL (PostgreSQL's text refuses it),
+    so one is refused typed here, not as a driver's error there."""
+    if type(intent) is not str or not intent or "\x00" in intent:
+        raise InvalidRequest("intent must be a non-empty string without NUL")
 
 
 def _stale_commit(

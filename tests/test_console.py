@@ -252,6 +252,15 @@ def test_a_console_login_ends_with_its_token_and_its_time(
     assert len(console._sessions) == console_module.MAX_SESSIONS
 
 
+def test_an_intent_name_no_store_can_hold_is_a_400(fence: EffectFence) -> None:
+    """/api/intent?id=a%00b read the store directly: a raw driver error on PostgreSQL."""
+    console = Console(fence)
+    host = {"Host": "127.0.0.1:1"}
+    status, _, body, _ = console.handle("GET", "/api/intent?id=a%00b", host, b"")
+    assert status == 400 and json.loads(body)["code"] == "invalid_request"
+    assert console.handle("GET", "/intent?id=a%00b", host, b"")[0] == 400
+
+
 def test_a_look_only_console_refuses_to_clear(fence: EffectFence) -> None:
     """``allow_clear=False`` (serve --console without --allow-clear): no form, no clear."""
     fence.abort(fence.prepare(req(1)).ticket, "x")  # type: ignore[union-attr]

@@ -312,6 +312,9 @@ def test_a_nul_in_a_name_a_clock_agent_or_a_reason_is_refused_before_anything_ru
         lambda: fence.current("order:\x00"),
         lambda: fence.evict_domain("order:\x00"),
         lambda: fence.clear("x\x00", reason="r", who="ops"),
+        lambda: fence.audit("x\x00"),
+        lambda: fence.wait("x\x00", 0.0),
+        lambda: fence.record("x\x00"),
     ):
         with pytest.raises(InvalidRequest, match="NUL"):
             look()

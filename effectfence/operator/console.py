@@ -264,6 +264,8 @@ class Console:
                 return self.api_clear(headers, body, session)
         except StoreUnavailable as exc:
             return _json(503, exc.to_payload())
+        except InvalidRequest as exc:  # a name no store can hold (NUL), say
+            return _json(400, exc.to_payload())
         return _json(404, {"error": "not_found"})
 
     def _login(
@@ -314,7 +316,7 @@ class Console:
         return {"intents": rows, "audit": audit, "store": self.store_label}
 
     def api_intent(self, intent: str) -> dict[str, Any]:
-        rec, now = self.fence.store.read(intent)
+        rec, now = self.fence.record(intent)
         view = intent_view(intent, rec, now, show_payload=self.show_payload)
         view["audit"] = [entry_view(e, now) for e in self.fence.audit(intent, limit=50)]
         view["chain"] = self.chain(view.get("domain")) if view.get("cert") else None

@@ -126,7 +126,7 @@ def _table(rows: list[dict[str, Any]], out: TextIO) -> None:
 
 
 def _show(fence: EffectFence, intent: str, show_payload: bool) -> dict[str, Any]:
-    rec, now = fence.store.read(intent)
+    rec, now = fence.record(intent)
     view = intent_view(intent, rec, now, show_payload=show_payload)
     view["audit"] = [entry_view(e, now) for e in fence.audit(intent, limit=20)]
     return view
