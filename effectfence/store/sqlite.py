@@ -36,12 +36,16 @@ lease alive that long, and let records be judged by deadlines from "the future".
 store's clock is ``wall + offset``, with ``(offset, last wall reading)`` persisted in the
 ``fence`` row and updated inside every write step, under the write lock. When a reading is
 below the last one, the offset grows by the difference: store time stands still across the
-jump and then moves on with the wall clock. A lease is therefore neither stolen (time never
-jumps forward because of a step back) nor kept (time keeps running after it). A step
-*forward* cannot be told apart from time passing; a lease that lapses early is what the
-fencing token is for. Readers compute ``offset + max(wall, last)``, and rewrite the offset
-themselves when they see the wall clock more than a second behind, so waiters do not stand
-still until the next write.
+jump and then moves on with the wall clock, so a step back steals no lease. A step
+*forward* cannot be told apart from time passing: leases lapse early and results are swept
+early by the size of the step, and a lease that lapses early is what the fencing token is
+for. That includes the forward step that CORRECTS an earlier step back: the offset the step
+back added stays, and store time runs ahead by it (known, found by review; the fix is a
+boot-time clock kept with the boot id, which a wall clock cannot move). A step back also
+falls back to the last write's reading: store time may go back by the time since the last
+write, and a lease then lasts that much longer. Readers compute ``offset + max(wall,
+last)``, and rewrite the offset themselves when they see the wall clock more than a second
+behind, so waiters do not stand still until the next write.
 """
 
 from __future__ import annotations
