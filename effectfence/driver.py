@@ -183,6 +183,17 @@ def drive(
         with contextlib.suppress(StoreUnavailable):
             yield from _again(functools.partial(fence.abort, ticket, reason))
         raise
+    except Refusal:
+        raise  # the fence's own answer (lease_lost, read_set_stale, a store that stayed down)
+    except Exception as exc:
+        # An error no step should raise (a store's untyped error, a bug): the effect RAN,
+        # and the commit may or may not have applied. Left in flight, the intent would be
+        # run again by an identical call once its lease lapsed. An abort compares by token:
+        # it fences the intent if the commit did not apply, and changes nothing if it did.
+        reason = f"it ran; its commit failed with {type(exc).__name__}"
+        with contextlib.suppress(Exception):
+            yield from _again(functools.partial(fence.abort, ticket, reason))
+        raise
     return FencedCall(result, cert, True)
 
 

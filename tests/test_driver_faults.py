@@ -114,6 +114,30 @@ def test_a_commit_is_tried_again_through_a_short_outage(monkeypatch: pytest.Monk
     assert fence.prepare(req()).fresh is False  # recorded: a duplicate replays
 
 
+@pytest.mark.parametrize("applies", [False, True])
+def test_a_commit_that_raises_an_untyped_error_leaves_the_intent_fenced_not_in_flight(
+    applies: bool,
+) -> None:
+    """A store's untyped error at commit (Redis's NoScriptError was one, found by review)
+    was neither retried nor fenced: the intent stayed in flight and, once its lease
+    lapsed, an identical call ran the effect again. The driver now aborts (compare by
+    token): fenced if the commit did not apply, unchanged if it did."""
+
+    class Broken(MemoryStore):
+        def complete(self, *args: Any, **kw: Any) -> Any:
+            if applies:
+                super().complete(*args, **kw)
+            raise KeyError("a store bug")
+
+    fence = EffectFence(store=Broken())
+    runs: list[int] = []
+    with pytest.raises(KeyError):
+        run_sync(fence, req(), Options(), lambda t: runs.append(1) or "charged")
+    assert runs == [1]
+    state = fence.intent_status("charge:1").state
+    assert state == ("done" if applies else "failed"), state
+
+
 def test_an_effect_that_ran_but_was_never_recorded_says_it_ran(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
