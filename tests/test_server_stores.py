@@ -882,6 +882,47 @@ def test_pg_a_forked_childs_close_leaves_its_parents_sessions_alone(pg: Any) -> 
     assert EffectFence(store=pg).prepare(req("charge:after-fork")).fresh
 
 
+def test_redis_a_script_the_server_still_lacks_is_unavailable_and_the_commit_retried(
+    own_rs: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOSCRIPT after the script's reload (flushed again, or another server behind a
+    proxy) came out untyped: the commit was neither retried nor fenced, and once the lease
+    lapsed an identical call ran the effect again (found by review). It ran nothing: it is
+    store_unavailable, and the driver's retry commits."""
+    import redis
+
+    from effectfence.driver import Options, run_sync
+
+    monkeypatch.setattr("effectfence.driver.COMMIT_RETRY_PAUSES", (0.0, 0.0), raising=False)
+    real = own_rs._s_complete
+    flushed = [2]  # the first try and its reload both find no script
+
+    def missing(keys: Any, args: Any) -> Any:
+        if flushed[0]:
+            flushed[0] -= 1
+            raise redis.exceptions.NoScriptError("No matching script. Please use EVAL.")
+        return real(keys=keys, args=args)
+
+    monkeypatch.setattr(own_rs, "_s_complete", missing)
+    fence = EffectFence(store=own_rs)
+    with pytest.raises(StoreUnavailable):
+        fence.commit(fence.prepare(req("charge:flushed")).ticket, "r")
+    runs: list[int] = []
+    done = run_sync(fence, req("charge:ran"), Options(), lambda t: runs.append(1) or "r")
+    assert runs == [1] and done.fresh
+    assert fence.intent_status("charge:ran").state == "done"
+
+
+def test_redis_store_refuses_a_client_that_decodes_replies() -> None:
+    """With decode_responses the steps read str where they expect bytes: a commit applied
+    on the server and then raised, and every replay of it raised (found by review)."""
+    need("redis")
+    from effectfence.store.redis import RedisStore
+
+    with pytest.raises(ValueError, match="decode_responses"):
+        RedisStore(with_query(REDIS_URL, decode_responses="true"), prefix=unique_name("dec"))
+
+
 def test_redis_own_connections_keep_the_max_connections_bound() -> None:
     """max_connections bounds the store's own connections as it bounded the pool: one more
     step while all are in use is refused as unavailable, and nothing is written."""
