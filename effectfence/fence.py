@@ -62,6 +62,7 @@ from effectfence.protocol import (
     reclaim_after,
     recommit,
 )
+from effectfence.store import _fork
 from effectfence.store.base import APPLIED, BUSY, MOVED, RACE, STALE, FenceStore, Step
 from effectfence.store.cmemory import memory_store
 from effectfence.store.memory import MemoryStore
@@ -302,9 +303,11 @@ class EffectFence:
         self._fp_is_payload = type(store).fingerprint_of is MemoryStore.fingerprint_of
         self._auto = cfg.auto_sweep
         self._waiters: dict[str, _Waiter] = {}
-        self._waiters_lock = threading.Lock()
+        # released in a forked child: a thread of the parent that held one at the fork does
+        # not exist there (a child's auto-sweep was skipped for ever, a wait deadlocked)
+        self._waiters_lock = _fork.lock()
         self._sweep_due = -math.inf
-        self._sweep_lock = threading.Lock()
+        self._sweep_lock = _fork.lock()
 
     @classmethod
     def from_url(cls, url: str, config: FenceConfig | None = None, **options: Any) -> EffectFence:

@@ -465,6 +465,41 @@ def test_g8_two_limited_sweeps_stopping_in_two_buckets_lose_neither(
     assert [i for i in first + second if store.get(i) is not None] == []
 
 
+def _locks_free_in_child(fence: EffectFence, out: Any) -> None:
+    out.send((fence._sweep_lock.acquire(blocking=False), fence._waiters_lock.acquire(timeout=5)))
+
+
+def test_a_fence_lock_a_parents_thread_held_at_a_fork_is_free_in_the_child() -> None:
+    """The fence's sweep and waiter locks were plain locks: a fork while another thread
+    held one left it held in the child for ever (auto-sweep skipped for good, a wait
+    deadlocked; found by review)."""
+    import multiprocessing
+    import threading
+
+    fence = EffectFence()
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with fence._sweep_lock, fence._waiters_lock:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(10)
+    try:
+        ctx = multiprocessing.get_context("fork")
+        mine, theirs = ctx.Pipe()
+        child = ctx.Process(target=_locks_free_in_child, args=(fence, theirs))
+        child.start()
+        assert mine.poll(20), "the child did not answer"
+        assert mine.recv() == (True, True)
+        child.join(20)
+    finally:
+        release.set()
+        holder.join(10)
+
+
 def test_g8_queries_never_create_state(fence: EffectFence) -> None:
     size = fence.store.size()
     assert fence.intent_status("nothing:here").state == "absent"
