@@ -352,11 +352,13 @@ async def test_escaped_2026_keys_are_stripped_for_a_handshake_era_child(
     monkeypatch.setattr(child, "write", lambda data: (sent.append(data), write(data))[1])
     h.raw(
         b'{"jsonrpc":"2.0","id":8,"method":"ping","params":{"_meta":'
-        b'{"io.modelcontextprotocol\\/protocolVersion":"2026-07-28","keep":1}}}'
+        b'{"io.modelcontextprotocol\\/protocolVersion":"2026-07-28","keep":1},'
+        b'"n":18446744073709551617}}'
     )
     assert "result" in await h.answer(8)
     [forwarded] = [json.loads(line) for line in sent]
     assert forwarded["params"]["_meta"] == {"keep": 1}
+    assert forwarded["params"]["n"] == 18446744073709551617  # written again, exactly
     assert await h.stop() == 0
 
 

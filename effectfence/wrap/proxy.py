@@ -613,14 +613,8 @@ class Proxy:
                     self._set_agent(info.get("name"))
         if method == "tools/call":
             # registered before its task runs: a cancel read right after it finds it
-            exact = _parse(line, exact=True) if _shallow(line) else _UNREADABLE
-            if exact is _UNREADABLE:  # nested past what the wrapper reads exactly
-                self._client_error(
-                    cid, -32600, "effectfence wrap: the request is nested too deeply"
-                )
-                return
             call = self.calls[cid] = _Call()
-            call.task = self._spawn(self._tool_call(cid, exact, line, call))
+            call.task = self._spawn(self._tool_call(cid, msg, line, call))
             call.task.add_done_callback(lambda _: self._forget_call(cid, call))
             return
         if method == "tools/list":
@@ -664,11 +658,13 @@ class Proxy:
         handshake-era child); remember request ids the child now owes an answer."""
         try:
             child = await self.ensure_child()
-            if msg is not None and self.era == "legacy":
-                stripped = _strip_modern(msg)
+            if msg is not None and self.era == "legacy" and _strip_modern(msg) is not None:
+                # written again: read exactly first (an integer past 64 bits stays one)
+                exact = _parse(line, exact=True) if _shallow(line) else _UNREADABLE
+                if not isinstance(exact, dict):
+                    raise ChildGone("the request is nested too deeply to forward")
+                stripped = _strip_modern(exact)
                 if stripped is not None:
-                    if not _shallow(line):
-                        raise ChildGone("the request is nested too deeply to forward")
                     line = _line(stripped)
             if cid is not None:
                 child.relayed.add(cid)
@@ -924,17 +920,34 @@ class Proxy:
                     self._text_result(f"effectfence wrap: {exc}. Nothing was run.", error=True),
                 )
                 return
-            for role, own in self.own_names.items():
-                if name == own and (role != "clear" or self.allow_clear):
-                    self._forget_call(cid, call)
-                    await self._own_tool(cid, modern, role, params)
-                    return
+            own_role = next(
+                (
+                    role
+                    for role, own in self.own_names.items()
+                    if name == own and (role != "clear" or self.allow_clear)
+                ),
+                None,
+            )
             tp = self.policy.for_tool(name)
-            if not tp.fenced(self.tools.get(name)):
+            if own_role is None and not tp.fenced(self.tools.get(name)):
                 self._forget_call(cid, call)  # the child's now: a cancel is relayed to it
                 self.stats.passed += 1
                 self.stats.tool(name, "passed")
-                await self._forward(line, cid, msg)
+                await self._forward(line, cid, msg)  # as it came: nothing read, nothing lost
+                return
+            # what the fence reads, read exactly (orjson reads an integer past 64 bits as a
+            # float: two different order ids would name one intent)
+            exact = _parse(line, exact=True) if _shallow(line) else _UNREADABLE
+            if not isinstance(exact, dict) or not isinstance(exact.get("params"), dict):
+                self._forget_call(cid, call)
+                self._client_error(
+                    cid, -32600, "effectfence wrap: the request is nested too deeply"
+                )
+                return
+            msg, params = exact, exact["params"]
+            if own_role is not None:
+                self._forget_call(cid, call)
+                await self._own_tool(cid, modern, own_role, params)
                 return
             await self._fenced(cid, msg, line, name, params, tp, modern, call)
         except asyncio.CancelledError:
