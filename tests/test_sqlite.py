@@ -1713,12 +1713,18 @@ def test_default_store_url_env_override(tmp_path: Path, monkeypatch: pytest.Monk
         assert (
             default_store_url() == f"sqlite:///{str(tmp_path).lstrip('/')}/x/effectfence/fence.db"
         )
-    for odd in ("state%41dir", "state?dir", "state#1"):  # quoted: the URL names that file
+    odd_names = ("state%41dir", "state?dir", "state#1", "caf\udce9", "~root")
+    for odd in odd_names:  # quoted: the URL names that file (not UTF-8, or ~, too)
         monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / odd))
         store = open_store(default_store_url())
         assert store.path == str(tmp_path / odd / "effectfence" / "fence.db")
         assert open_store(store.describe()["url"]).path == store.path
         store.close()
+    from effectfence.store import sqlite_url
+    from effectfence.store.sqlite import _parse_url
+
+    for path in ("/~nosuchuser/fence.db", "/./x.db", "/srv/a b/caf\u00e9.db"):
+        assert _parse_url(sqlite_url(path))[0] == path  # the URL names that very file
     monkeypatch.setenv("XDG_STATE_HOME", "relative/ignored")
     monkeypatch.setenv("HOME", str(tmp_path / "h"))
     if sys.platform.startswith("linux"):

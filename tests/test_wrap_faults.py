@@ -489,6 +489,8 @@ async def test_what_the_standard_parser_admits_is_answered_and_never_kills_the_w
         b'{"io.modelcontextprotocol/protocolVersion":"2026-07-28"},"x":' + deep_id + b"}}",
     )
     assert "error" in await h.answer(11)
+    h.raw(b'{"jsonrpc":"2.0","id":12,"method":"tools/list","params":{"x":' + deep_id + b"}}")
+    assert (await h.answer(12))["error"]["code"] == -32600
     nested = await h.answer(h.send("tools/call", {"name": "charge", "arguments": {"deep": 600}}))
     assert mark(nested)["outcome"] == "unknown"  # it ran; its answer can't be recorded
     call = {"name": "charge", "arguments": {"order": 3, "undecodable": True}}

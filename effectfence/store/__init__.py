@@ -104,8 +104,12 @@ def default_store_url() -> str:
 
 def sqlite_url(path: str) -> str:
     """The URL of the SQLite file at absolute ``path``: quoted, so a directory named with
-    ``%`` or ``?`` names that file and not another (found by review)."""
-    return "sqlite:///" + quote(path.lstrip("/"), safe="/")
+    ``%`` or ``?`` names that file and not another (found by review); bytes that are not
+    UTF-8 kept as they are named; and a first component the parser would read as relative
+    or as a home (``~root``) kept absolute by its slash."""
+    rel = path.lstrip("/")
+    lead = "/" if rel.startswith(("./", "../", "~")) else ""
+    return "sqlite:///" + lead + quote(rel, safe="/", errors="surrogateescape")
 
 
 def redact(url: str) -> str:

@@ -452,7 +452,7 @@ def _parse_url(url: str) -> tuple[str, dict[str, str]]:
     if scheme.lower() != "sqlite" or not sep or not rest.startswith("/"):
         raise ValueError(f"a SQLite store URL looks like sqlite:///abs/path/fence.db, got {url!r}")
     rest, _, query = rest.partition("?")
-    path = unquote(rest[1:])
+    path = unquote(rest[1:], errors="surrogateescape")
     if not path:
         raise ValueError(f"the SQLite store URL {url!r} names no file")
     if path == ":memory:" or path.startswith("file:"):

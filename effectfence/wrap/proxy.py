@@ -618,6 +618,11 @@ class Proxy:
             call.task.add_done_callback(lambda _: self._forget_call(cid, call))
             return
         if method == "tools/list":
+            if not _shallow(line):  # written again to the child under an id of its own
+                self._client_error(
+                    cid, -32600, "effectfence wrap: the request is nested too deeply"
+                )
+                return
             await self._list_for_client(cid, msg)
             return
         if method == "initialize":
@@ -1288,6 +1293,11 @@ class Proxy:
                 await self.on_client_line(line)
             except Exception as exc:  # one line must never end the relay and every call
                 _stderr(f"internal error on a client line: {exc!r}; dropped it")
+                msg = _parse(line)
+                if isinstance(msg, dict) and "method" in msg and _is_id(msg.get("id")):
+                    self._client_error(
+                        msg["id"], -32603, f"effectfence wrap: internal error: {exc!r}"
+                    )
             if self.fatal is not None:
                 _stderr(self.fatal)
                 break
