@@ -387,3 +387,45 @@ def test_a_method_on_a_chained_value_is_not_an_effect() -> None:
     charge = _scan("ts_server")["chargeCustomer"]
     assert not [e for e in charge.evidence if "update()" in e.detail]
     assert charge.score < THRESHOLD
+
+
+def test_odd_files_are_left_out_and_the_scan_still_runs(tmp_path: Path) -> None:
+    """Found by review, each ended the scan in a traceback (exit 1, where the docs say 0
+    whenever it ran), or worse: a link loop named *.py; a generated table too deep for
+    ast.parse; a tool name of 600 terms (ast.unparse); a tool name with a lone surrogate
+    (the table output); a FIFO named *.py (read for ever); and a link to a file outside
+    the root, which was read and reported as the server's own."""
+    tool = 'from mcp.server.fastmcp import FastMCP\nmcp = FastMCP("x")\n'
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.py").write_text(
+        tool + "@mcp.tool()\ndef outside_refund(x):\n    requests.post('u')\n"
+    )
+    root = tmp_path / "server"
+    root.mkdir()
+    (root / "server.py").write_text(
+        tool + "@mcp.tool()\ndef charge_card(x):\n    requests.post('u')\n"
+    )
+    os.symlink(outside / "secret.py", root / "pay.py")
+    os.symlink("l2", root / "l1")
+    os.symlink("l1", root / "l2")
+    os.symlink("l1", root / "loop.py")
+    (root / "gen.py").write_text("# tool table\nX = " + "1+" * 50_000 + "1\n")
+    long_name = "+".join(["a"] * 600)
+    (root / "long.py").write_text(
+        tool + f"@mcp.tool(name={long_name})\ndef refund(x):\n    requests.post('u')\n"
+    )
+    (root / "odd.py").write_text(
+        tool + '@mcp.tool(name="\\ud800")\ndef pay(x):\n    requests.post("u")\n'
+    )
+    os.mkfifo(root / "pipe.py")
+    for extra in ([], ["--json"]):
+        out = subprocess.run(
+            [sys.executable, "-m", "effectfence", "scan", str(root), *extra],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        assert "charge_card" in out.stdout and "outside_refund" not in out.stdout
+        assert "Traceback" not in out.stderr

@@ -8,6 +8,7 @@ ranks tools by a score instead of passing a verdict.
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -113,9 +114,21 @@ def walk(root: Path) -> tuple[list[Path], list[Skipped]]:
         dirnames[:] = keep
         for name in sorted(filenames):
             path = here / name
-            if path.suffix in LANGUAGES and not _skipped_file(name):
+            if path.suffix in LANGUAGES and not _skipped_file(name) and _readable(path, root):
                 files.append(path)
     return files, skipped
+
+
+def _readable(path: Path, root: Path) -> bool:
+    """A regular file under the root, after links: a link out of the tree (the scan reads
+    the server, not what it points at), a link loop, a FIFO or a device (which read for
+    ever) is left out (found by review)."""
+    try:
+        real = path.resolve(strict=True)
+        real.relative_to(root.resolve())
+        return stat.S_ISREG(real.stat().st_mode)
+    except (OSError, RuntimeError, ValueError):
+        return False
 
 
 def iter_files(root: Path) -> Iterator[Path]:

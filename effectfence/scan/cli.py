@@ -42,5 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"effectfence scan: error: path does not exist: {path}", file=sys.stderr)
         return 2
     report = scan_path(path, min_score=args.min_score)
-    sys.stdout.write(render_json(report) if args.json else render_table(report))
+    out = render_json(report) if args.json else render_table(report)
+    # a name in the code may hold a lone surrogate: shown escaped, never a traceback
+    sys.stdout.write(out.encode("utf-8", "backslashreplace").decode("utf-8"))
     return 0

@@ -8,6 +8,7 @@ read once; only files under the scanned root are ever loaded.
 from __future__ import annotations
 
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,7 +40,10 @@ class Package:
 
     def load(self, path: Path) -> Source | None:
         """The file's :class:`Source` with its functions, constants and imports indexed."""
-        key = path.resolve()
+        try:
+            key = path.resolve()
+        except (OSError, RuntimeError):  # a link loop
+            return None
         if key in self._sources:
             return self._sources[key]
         self._sources[key] = None  # an import cycle finds the file "loading" and stops
@@ -47,9 +51,11 @@ class Package:
         if language is None:
             return None
         try:
-            if path.stat().st_size > MAX_FILE_BYTES:
-                return None
-            text = path.read_text(encoding="utf-8", errors="replace")
+            info = path.stat()
+            if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_FILE_BYTES:
+                return None  # a FIFO or a device would be read for ever
+            with open(path, "rb") as fh:
+                text = fh.read(MAX_FILE_BYTES + 1).decode("utf-8", errors="replace")
         except OSError:
             return None
         if self.root.is_file():

@@ -132,7 +132,7 @@ def index(src: Source, root: Path) -> ast.Module | None:
     """Fill ``src.functions``, ``src.constants`` and ``src.imports``; the parsed tree."""
     try:
         tree = ast.parse(src.text)
-    except (SyntaxError, ValueError):
+    except (SyntaxError, ValueError, RecursionError, MemoryError):  # generated tables
         return None
     for node in ast.walk(tree):
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
@@ -237,7 +237,14 @@ def find_tools(src: Source, package: Package | None = None) -> list[ToolDecl]:
         (never the Python function's name, which no client can call)."""
         if expr is None:
             return None
-        return constant(src, expr, package) or f"<{ast.unparse(expr)}>"
+        found = constant(src, expr, package)
+        if found:
+            return found
+        try:
+            text = ast.unparse(expr)
+        except RecursionError:  # a name built of hundreds of terms
+            text = "expression"
+        return f"<{text[:200]}>"
 
     for fnode in (n for ns in funcs.values() for n in ns):
         for dec in fnode.decorator_list:
