@@ -91,7 +91,8 @@ def fenced(
         wait=wait,
         wait_timeout=float(wait_timeout),
         renew_every=renew_every,
-        did_not_fire=did_not_fire,
+        # a coroutine returned un-run to the sync path never ran: released, not fenced
+        did_not_fire=(*did_not_fire, _CoroutineNotRun),
     )
     offload = fence.store.shared  # a store doing I/O must not block the event loop
 
@@ -135,8 +136,18 @@ def fenced(
             awrapper.call_with_cert = acall  # type: ignore[attr-defined]
             return cast(Callable[P, R], awrapper)
 
+        def effect(a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+            out = fn(*a, **kw)
+            if inspect.iscoroutine(out):  # a sync wrapper the async check could not see
+                out.close()
+                raise _CoroutineNotRun(
+                    f"{tool_name} returned a coroutine without running it: fence the async "
+                    "function itself (or a wrapper made with functools.wraps); nothing ran"
+                )
+            return out
+
         def call(*a: Any, **kw: Any) -> FencedCall:
-            return run_sync(fence, build(a, kw), options, lambda ticket: fn(*a, **kw))
+            return run_sync(fence, build(a, kw), options, lambda ticket: effect(a, kw))
 
         @functools.wraps(fn)
         def wrapper(*a: Any, **kw: Any) -> Any:
@@ -148,12 +159,21 @@ def fenced(
     return decorate
 
 
+class _CoroutineNotRun(TypeError):
+    """A fenced sync call returned a coroutine it never ran."""
+
+
 def _is_async(fn: Callable[..., Any]) -> bool:
-    """An ``async def`` function, or an object whose ``__call__`` is one: taken for a plain
-    function, its call returns an un-run coroutine that the fence can't record, and the
-    intent was fenced as failed for an effect that never ran."""
+    """An ``async def`` function, an object whose ``__call__`` is one, or a sync wrapper
+    made with ``functools.wraps`` around one (a logging or retry decorator): taken for a
+    plain function, its call returns an un-run coroutine that the fence can't record, and
+    the intent was fenced as failed for an effect that never ran."""
     call = type(fn).__call__ if not inspect.isfunction(fn) else None
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(call)
+    return (
+        inspect.iscoroutinefunction(fn)
+        or inspect.iscoroutinefunction(call)
+        or inspect.iscoroutinefunction(inspect.unwrap(fn))
+    )
 
 
 def _binder(

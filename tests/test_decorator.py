@@ -245,6 +245,37 @@ def test_async_callable_objects_are_awaited_and_generators_refused(fence: Effect
             fenced(fence, intent="g:{n}", domain="d")(gen)
 
 
+def test_a_sync_wrapper_of_an_async_function_is_awaited_or_released(fence: EffectFence) -> None:
+    """A logging or retry decorator made with functools.wraps around an async function
+    was taken for a sync function: the un-run coroutine could not be recorded, the intent
+    was fenced as failed, and the caller told "the effect ran: do NOT run it again" for an
+    effect that never ran (found by review). Such a wrapper is now awaited; a sync call
+    that still hands back a coroutine is released, not fenced, and says nothing ran."""
+    import functools
+
+    sink = Sink()
+
+    async def charge(n: int) -> int:
+        sink.hit(n)
+        return n * 2
+
+    @functools.wraps(charge)
+    def logged(*a: Any, **kw: Any) -> Any:
+        return charge(*a, **kw)
+
+    fenced_logged = fenced(fence, intent="w:{n}", domain="d")(logged)
+    assert asyncio.run(fenced_logged(5)) == 10 and asyncio.run(fenced_logged(5)) == 10
+    assert sink.calls == [5] and fence.intent_status("w:5").state == "done"
+
+    def hidden(n: int) -> Any:  # no __wrapped__: nothing says it is async
+        return charge(n)
+
+    fenced_hidden = fenced(fence, intent="h:{n}", domain="d")(hidden)
+    with pytest.raises(TypeError, match="nothing ran"):
+        fenced_hidden(7)
+    assert sink.calls == [5] and fence.intent_status("h:7").state == "absent"
+
+
 def test_argument_binding_matches_python(fence: EffectFence) -> None:
     @fenced(fence, intent="b:{a}:{b}:{c}", domain="d")
     def f(a: int, b: int = 2, *, c: int = 3) -> list[int]:
