@@ -41,8 +41,8 @@ def _seconds(text: str) -> float:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not (0 < value < math.inf):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds over 0, got {text!r}")
+    if not (0 <= value < math.inf):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, 0 or more, got {text!r}")
     return value
 
 
@@ -99,9 +99,7 @@ def _parser() -> argparse.ArgumentParser:
         help="also clear an intent in flight under a live lease (its holder may be running it)",
     )
     watch = sub.add_parser("watch", parents=[common, filters], help="follow changes as they come")
-    watch.add_argument(
-        "--interval", type=_seconds, default=1.0, help="seconds between looks (over 0)"
-    )
+    watch.add_argument("--interval", type=_seconds, default=1.0, help="seconds between looks")
     watch.add_argument(
         "--count", type=_positive, help="stop after this many looks (default: never)"
     )
