@@ -91,8 +91,7 @@ def fenced(
         wait=wait,
         wait_timeout=float(wait_timeout),
         renew_every=renew_every,
-        # a coroutine returned un-run to the sync path never ran: released, not fenced
-        did_not_fire=(*did_not_fire, _CoroutineNotRun),
+        did_not_fire=did_not_fire,
     )
     offload = fence.store.shared  # a store doing I/O must not block the event loop
 
@@ -140,9 +139,12 @@ def fenced(
             out = fn(*a, **kw)
             if inspect.iscoroutine(out):  # a sync wrapper the async check could not see
                 out.close()
-                raise _CoroutineNotRun(
+                # fenced as failed, not released: the wrapper's own body ran and may have
+                # done something before handing the coroutine back (found by review)
+                raise TypeError(
                     f"{tool_name} returned a coroutine without running it: fence the async "
-                    "function itself (or a wrapper made with functools.wraps); nothing ran"
+                    "function itself, not a sync wrapper of it; the coroutine was not run, "
+                    "and the intent is fenced until an operator clears it"
                 )
             return out
 
@@ -159,21 +161,14 @@ def fenced(
     return decorate
 
 
-class _CoroutineNotRun(TypeError):
-    """A fenced sync call returned a coroutine it never ran."""
-
-
 def _is_async(fn: Callable[..., Any]) -> bool:
-    """An ``async def`` function, an object whose ``__call__`` is one, or a sync wrapper
-    made with ``functools.wraps`` around one (a logging or retry decorator): taken for a
-    plain function, its call returns an un-run coroutine that the fence can't record, and
-    the intent was fenced as failed for an effect that never ran."""
+    """An ``async def`` function, or an object whose ``__call__`` is one: taken for a plain
+    function, its call returns an un-run coroutine that the fence can't record. A sync
+    function stays sync, even one wrapping an async function (a bridge that runs it with
+    asyncio.run is called without await); one that hands a coroutine back is caught when
+    it does."""
     call = type(fn).__call__ if not inspect.isfunction(fn) else None
-    return (
-        inspect.iscoroutinefunction(fn)
-        or inspect.iscoroutinefunction(call)
-        or inspect.iscoroutinefunction(inspect.unwrap(fn))
-    )
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(call)
 
 
 def _binder(

@@ -245,12 +245,14 @@ def test_async_callable_objects_are_awaited_and_generators_refused(fence: Effect
             fenced(fence, intent="g:{n}", domain="d")(gen)
 
 
-def test_a_sync_wrapper_of_an_async_function_is_awaited_or_released(fence: EffectFence) -> None:
-    """A logging or retry decorator made with functools.wraps around an async function
-    was taken for a sync function: the un-run coroutine could not be recorded, the intent
-    was fenced as failed, and the caller told "the effect ran: do NOT run it again" for an
-    effect that never ran (found by review). Such a wrapper is now awaited; a sync call
-    that still hands back a coroutine is released, not fenced, and says nothing ran."""
+def test_a_sync_function_that_hands_back_a_coroutine_is_told_so_and_fenced(
+    fence: EffectFence,
+) -> None:
+    """A sync wrapper of an async function (functools.wraps, for logging) hands back an
+    un-run coroutine: the caller was told "result not recordable ... the effect ran: do NOT
+    run it again" (found by review). It now hears what happened: a coroutine came back
+    un-run. The intent is fenced, not released: the wrapper's own body ran. A sync bridge
+    that runs the async function itself stays a sync function (called without await)."""
     import functools
 
     sink = Sink()
@@ -264,16 +266,17 @@ def test_a_sync_wrapper_of_an_async_function_is_awaited_or_released(fence: Effec
         return charge(*a, **kw)
 
     fenced_logged = fenced(fence, intent="w:{n}", domain="d")(logged)
-    assert asyncio.run(fenced_logged(5)) == 10 and asyncio.run(fenced_logged(5)) == 10
-    assert sink.calls == [5] and fence.intent_status("w:5").state == "done"
+    with pytest.raises(TypeError, match="returned a coroutine without running it"):
+        fenced_logged(5)
+    assert sink.calls == [] and fence.intent_status("w:5").state == "failed"
 
-    def hidden(n: int) -> Any:  # no __wrapped__: nothing says it is async
-        return charge(n)
+    @functools.wraps(charge)
+    def bridge(n: int) -> int:
+        return asyncio.run(charge(n))
 
-    fenced_hidden = fenced(fence, intent="h:{n}", domain="d")(hidden)
-    with pytest.raises(TypeError, match="nothing ran"):
-        fenced_hidden(7)
-    assert sink.calls == [5] and fence.intent_status("h:7").state == "absent"
+    fenced_bridge = fenced(fence, intent="b:{n}", domain="d")(bridge)
+    assert fenced_bridge(6) == 12 and fenced_bridge(6) == 12
+    assert sink.calls == [6] and fence.intent_status("b:6").state == "done"
 
 
 def test_argument_binding_matches_python(fence: EffectFence) -> None:
