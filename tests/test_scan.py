@@ -429,3 +429,7 @@ def test_odd_files_are_left_out_and_the_scan_still_runs(tmp_path: Path) -> None:
         assert out.returncode == 0, out.stderr
         assert "charge_card" in out.stdout and "outside_refund" not in out.stdout
         assert "Traceback" not in out.stderr
+    report = scan_path(root)
+    left_out = {s.path: s.reason for s in report.skipped}
+    assert left_out["pay.py"] == "a link out of the scanned tree"  # said, never silent
+    assert "pipe.py" in left_out and "loop.py" in left_out

@@ -114,21 +114,33 @@ def walk(root: Path) -> tuple[list[Path], list[Skipped]]:
         dirnames[:] = keep
         for name in sorted(filenames):
             path = here / name
-            if path.suffix in LANGUAGES and not _skipped_file(name) and _readable(path, root):
-                files.append(path)
+            if path.suffix in LANGUAGES and not _skipped_file(name):
+                why = _unreadable(path, root)
+                if why is None:
+                    files.append(path)
+                else:  # said in the report: a tool module left out is never silent
+                    skipped.append(Skipped(path.relative_to(root).as_posix(), why))
     return files, skipped
 
 
-def _readable(path: Path, root: Path) -> bool:
-    """A regular file under the root, after links: a link out of the tree (the scan reads
-    the server, not what it points at), a link loop, a FIFO or a device (which read for
-    ever) is left out (found by review)."""
+def _unreadable(path: Path, root: Path) -> str | None:
+    """Why a source file is left out, or None: the scan reads regular files under the
+    root, after links. A link out of the tree (the scan reads the server, not what it
+    points at), a link loop, a FIFO or a device (which read for ever) are left out, found
+    by review."""
     try:
         real = path.resolve(strict=True)
+    except (OSError, RuntimeError):
+        return "a link that leads nowhere (a loop, or a missing file)"
+    try:
         real.relative_to(root.resolve())
-        return stat.S_ISREG(real.stat().st_mode)
-    except (OSError, RuntimeError, ValueError):
-        return False
+    except ValueError:
+        return "a link out of the scanned tree"
+    try:
+        regular = stat.S_ISREG(real.stat().st_mode)
+    except OSError:
+        return "unreadable"
+    return None if regular else "not a regular file (a FIFO or a device)"
 
 
 def iter_files(root: Path) -> Iterator[Path]:

@@ -79,7 +79,8 @@ class Finding:
 
 @dataclass(frozen=True)
 class Skipped:
-    """A folder below the root the scan left out (or, for build output, chose to read)."""
+    """A folder (or a file) below the root the scan left out (or, for build output, chose
+    to read), and why."""
 
     path: str
     reason: str

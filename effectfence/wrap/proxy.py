@@ -325,7 +325,8 @@ class Proxy:
         namespace: str | None = None,
     ) -> None:
         self.argv = argv
-        self.write_client = write_client
+        self._write_client = write_client
+        self.written = 0  # lines written to the client: run() tells "answered" by it
         self.policy = policy or Policy()
         self.allow_clear = allow_clear
         ns = namespace or self.policy.namespace
@@ -386,6 +387,10 @@ class Proxy:
         if self.offload:
             return await self.offloader.run(fn, *args)
         return fn(*args)
+
+    def write_client(self, data: bytes) -> None:
+        self.written += 1
+        self._write_client(data)
 
     # -- the child's life -----------------------------------------------------------------
     async def start_child(self) -> Child:
@@ -1289,15 +1294,22 @@ class Proxy:
                 break
             if not line:
                 break
+            written = self.written
             try:
                 await self.on_client_line(line)
             except Exception as exc:  # one line must never end the relay and every call
                 _stderr(f"internal error on a client line: {exc!r}; dropped it")
                 msg = _parse(line)
-                if isinstance(msg, dict) and "method" in msg and _is_id(msg.get("id")):
-                    self._client_error(
-                        msg["id"], -32603, f"effectfence wrap: internal error: {exc!r}"
-                    )
+                if (
+                    self.written == written  # not answered yet (never twice)
+                    and isinstance(msg, dict)
+                    and "method" in msg
+                    and _is_id(msg.get("id"))
+                ):
+                    with contextlib.suppress(Exception):  # a writer that fails again
+                        self._client_error(
+                            msg["id"], -32603, f"effectfence wrap: internal error: {exc!r}"
+                        )
             if self.fatal is not None:
                 _stderr(self.fatal)
                 break
