@@ -50,7 +50,8 @@ class Harness:
         for key, value in env.items():
             monkeypatch.setenv(key, value)
         self.out: list[bytes] = []
-        self.proxy = Proxy(child, self.out.append, store_url="memory:", policy=policy)
+        self.fail_writes = 0  # the next writes to the client raise, after keeping the bytes
+        self.proxy = Proxy(child, self._write, store_url="memory:", policy=policy)
         self.reader = asyncio.StreamReader()
         self.task = asyncio.ensure_future(self.proxy.run(self.reader))
         self.next_id = 0
@@ -60,6 +61,12 @@ class Harness:
         msg = {"jsonrpc": "2.0", "id": self.next_id, "method": method, "params": params or {}}
         self.reader.feed_data(json.dumps(msg).encode() + b"\n")
         return self.next_id
+
+    def _write(self, data: bytes) -> None:
+        self.out.append(data)
+        if self.fail_writes:
+            self.fail_writes -= 1
+            raise OSError(28, "No space left on device")
 
     def raw(self, *lines: bytes) -> None:
         """Lines as the client wrote them, in one read."""
@@ -499,3 +506,24 @@ async def test_what_the_standard_parser_admits_is_answered_and_never_kills_the_w
         assert text(got) == "charged\udcff" and mark(got)["replayed"] is replayed, got
     assert h.ledger() == [{"deep": 600}, {"order": 3, "undecodable": True}]
     assert await h.stop() == 0
+
+
+async def test_a_writer_fault_neither_answers_twice_nor_ends_the_relay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fault on a client line is answered -32603 only if nothing was written for it, and
+    a writer failing again must not end the relay: close() drains fenced calls and stops
+    the child (found by re-review: two answers for one id, and a run() that raised)."""
+    h = Harness(tmp_path, monkeypatch)
+    await h.start()
+    deep = b"[" * 600 + b"]" * 600
+    h.fail_writes = 1  # its refusal is kept, then the write reports a fault
+    h.raw(b'{"jsonrpc":"2.0","id":7,"method":"tools/list","params":{"x":' + deep + b"}}")
+    ping = await h.answer(h.send("ping"))
+    assert "result" in ping
+    assert [json.loads(line).get("id") for line in h.out].count(7) == 1
+    h.fail_writes = 2  # the refusal and the fallback both fail
+    h.raw(b'{"jsonrpc":"2.0","id":8,"method":"tools/list","params":{"x":' + deep + b"}}")
+    assert "result" in await h.answer(h.send("ping"))
+    assert await h.stop() == 0
+    assert h.proxy.closing
