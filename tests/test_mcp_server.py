@@ -873,3 +873,45 @@ def test_serve_freezes_the_heap_of_the_process_it_runs_in(monkeypatch: pytest.Mo
     monkeypatch.setattr(srv, "build_server", build)
     assert srv.main(["--store", "memory:"]) == 0
     assert seen["freeze_heap"] is True and seen["transport"] == "stdio"
+
+
+@pytest.mark.anyio
+async def test_a_prepare_whose_caller_went_away_is_logged_counted_and_released(
+    tmp_path: Path,
+) -> None:
+    """The step of a cancelled call runs on in its worker thread. A fresh prepare was
+    claimed for nobody: its ticket never left the server, yet the intent stayed in flight
+    until its lease lapsed, and neither the decision log nor the metrics saw it (found by
+    review). It is now logged and counted, and released: the effect cannot have run."""
+    import threading
+
+    fence = EffectFence.from_url(f"sqlite:///{tmp_path}/f.db", FenceConfig(lease_ttl=60))
+    metrics = Metrics()
+    server = build_server(fence, metrics=metrics)
+    entered, go = threading.Event(), threading.Event()
+    request = fence.request
+
+    def parked(*a: Any, **kw: Any) -> Any:  # the step waits in its thread until told
+        entered.set()
+        go.wait(10)
+        return request(*a, **kw)
+
+    fence.request = parked  # type: ignore[method-assign]
+    try:
+        async with Client(server) as client:
+            args = {"intent": "p1", "domain": "d", "tool": "t", "args": {}, "agent": "a"}
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(client.call_tool, "fence_prepare", args)
+                    while not entered.is_set():
+                        await anyio.sleep(0.01)
+                    tg.cancel_scope.cancel()  # the caller goes away mid-step
+            go.set()
+            with anyio.fail_after(10):
+                while metrics.calls.get(("fence_release", "released")) != 1:
+                    await anyio.sleep(0.01)
+        assert metrics.calls[("fence_prepare", "fresh")] == 1 and metrics.in_flight == 0
+        assert fence.intent_status("p1").state == "absent"
+    finally:
+        go.set()
+        fence.close()

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import logging
 import math
@@ -361,7 +362,7 @@ def _tool(
                     on_invalid()
                 raise _invalid_arguments(name, exc) from None
             if offload:
-                result = await tools.off_loop(op, request, decision)
+                result = await tools.off_loop_to_the_end(op, request, decision)
             else:
                 result = op(request, decision)
         except Refusal as refusal:
@@ -429,6 +430,7 @@ class _FenceTools:
         # cost more than the call; any other store may block, so it runs off the loop
         self.offload = fence.store.name != "memory"
         self.offloader = Offloader(name="effectfence-mcp")
+        self._background: set[asyncio.Future[Any]] = set()  # releases after a cancel
         self.idle_sweeps = 0
 
     async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -440,6 +442,55 @@ class _FenceTools:
         except RuntimeError:  # not asyncio (trio): no loop of asyncio's to hand back to
             return await anyio.to_thread.run_sync(fn, *args)
         return await self.offloader.run(fn, *args)
+
+    async def off_loop_to_the_end(self, op: Callable[..., Any], req: Any, d: Decision) -> Any:
+        """:meth:`off_loop` for a tool call. A caller that goes away (a cancel) while the
+        step runs does not stop the step: it finishes in its thread, and is then logged and
+        counted like any other (:meth:`after_cancel`)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return await self.off_loop(op, req, d)
+        job = asyncio.ensure_future(self.off_loop(op, req, d))
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            job.add_done_callback(functools.partial(self.after_cancel, d))
+            raise
+
+    def after_cancel(self, d: Decision, job: asyncio.Future[Any]) -> None:
+        """The step of a call whose caller went away finished: log and count it (it was
+        lost from both, found by review). A fresh ticket its caller never received is
+        released: the effect cannot have run, and the intent would otherwise stay held by
+        nobody until its lease lapsed."""
+        if job.cancelled():
+            return
+        error = job.exception()
+        if isinstance(error, Refusal):
+            d.outcome = error.code
+        elif error is not None:
+            return  # a fault of the step's: raised to nobody; the SDK logs its own
+        d.log()
+        self.metrics.observe(d)
+        ticket = d.ticket
+        if ticket is not None and d.outcome in ("fresh", "takeover"):
+            undelivered = Decision("fence_release", d.principal)
+            undelivered.transport = d.transport
+            undelivered.intent, undelivered.domain = d.intent, d.domain
+            undelivered.token = ticket.token
+
+            def released(step: asyncio.Future[Any]) -> None:
+                failed = step.exception() if not step.cancelled() else None
+                undelivered.outcome = (
+                    "released" if failed is None else getattr(failed, "code", "error")
+                )
+                undelivered.log()
+                self.metrics.observe(undelivered)
+
+            step = asyncio.ensure_future(self.off_loop(self.fence.release, ticket))
+            step.add_done_callback(released)
+            self._background.add(step)
+            step.add_done_callback(self._background.discard)
 
     @staticmethod
     def _lease_left(granted: float, since: float) -> float:
@@ -500,6 +551,7 @@ class _FenceTools:
                 raise
             takeover = bool(getattr(admission, "takeover", False))
             d.outcome, d.token = ("takeover" if takeover else "fresh"), ticket.token
+            d.ticket = ticket
             data = {
                 "status": "fresh",
                 "intent": ticket.intent,

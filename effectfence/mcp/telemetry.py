@@ -67,6 +67,7 @@ class Decision:
         "latency",
         "outcome",
         "principal",
+        "ticket",
         "token",
         "tool",
         "transport",
@@ -83,6 +84,9 @@ class Decision:
         self.outcome = "error"
         #: seconds spent in the fence (the store's share of the call), None if not reached
         self.latency: float | None = None
+        #: the ticket a fresh prepare handed out (never logged): released if its caller
+        #: went away before receiving it
+        self.ticket: Any = None
 
     def log(self) -> None:
         if _log.isEnabledFor(logging.INFO):
