@@ -915,3 +915,39 @@ async def test_a_prepare_whose_caller_went_away_is_logged_counted_and_released(
     finally:
         go.set()
         fence.close()
+
+
+async def test_a_read_never_waits_behind_writes_parked_on_the_store(tmp_path: Path) -> None:
+    """Every worker thread parked on a store step (a lock held by another process) kept
+    fence_status waiting as long (found by review: 4 s behind 8 parked prepares). Reads
+    run on threads of their own."""
+    import threading
+
+    from effectfence.driver import OFFLOAD_THREADS
+
+    fence = EffectFence.from_url(f"sqlite:///{tmp_path}/f.db", FenceConfig(lease_ttl=60))
+    server = build_server(fence, metrics=Metrics())
+    parked, go = threading.Semaphore(0), threading.Event()
+    request = fence.request
+
+    def blocked(*a: Any, **kw: Any) -> Any:
+        parked.release()
+        go.wait(20)
+        return request(*a, **kw)
+
+    fence.request = blocked  # type: ignore[method-assign]
+    try:
+        async with Client(server) as client, anyio.create_task_group() as tg:
+            for n in range(OFFLOAD_THREADS):
+                args = {"intent": f"w{n}", "domain": "d", "tool": "t", "args": {}, "agent": "a"}
+                tg.start_soon(client.call_tool, "fence_prepare", args)
+            with anyio.fail_after(10):
+                for _ in range(OFFLOAD_THREADS):  # every writer thread is parked
+                    await anyio.to_thread.run_sync(parked.acquire)
+            with anyio.fail_after(5):  # answered while they wait
+                status = await client.call_tool("fence_status", {"intent": "w0"})
+            assert status.structured_content["state"] == "absent"
+            go.set()
+    finally:
+        go.set()
+        fence.close()

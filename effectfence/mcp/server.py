@@ -37,7 +37,8 @@ published schema is our model's schema and whose function receives the raw argum
 Fence operations on the memory store take microseconds and never block, so they run inline
 on the event loop (no thread hop). On any other store they run on a few worker threads
 (:class:`~effectfence.driver.Offloader`), so a slow store never stalls the other agents a
-shared server is answering.
+shared server is answering; the read-only tools have threads of their own, so writes
+parked on a store lock never keep a read waiting.
 """
 
 from __future__ import annotations
@@ -121,6 +122,8 @@ _MEMORY_STORES = ("memory", "memory:", "memory://")
 _MAX_REPORTED_ERRORS = 20
 #: the longest a failing idle sweep waits before trying again (seconds)
 SWEEP_BACKOFF_MAX = 30.0
+#: worker threads of the read-only tools (status, stats, verify), apart from the writers'
+READER_THREADS = 2
 _log = logging.getLogger(__name__)
 #: where the HTTP gate puts the authenticated principal in the ASGI scope of a request
 PRINCIPAL_SCOPE_KEY = "effectfence.principal"
@@ -351,6 +354,9 @@ def _tool(
     malformed fence_prepare is still counted as an attempt). Every call, answered or
     refused, is one :class:`Decision`: logged and counted once."""
     offload = tools.offload
+    # reads on threads of their own: parked writes (a store lock held elsewhere) must not
+    # keep fence_status waiting, found by review; a read never waits for a write here
+    read_only = bool(annotations.read_only_hint)
 
     async def run(arguments: dict[str, Any], ctx: Context[Any, Any] | None = None) -> Any:
         decision = _decision(name, ctx)
@@ -362,7 +368,7 @@ def _tool(
                     on_invalid()
                 raise _invalid_arguments(name, exc) from None
             if offload:
-                result = await tools.off_loop_to_the_end(op, request, decision)
+                result = await tools.off_loop_to_the_end(op, request, decision, read_only)
             else:
                 result = op(request, decision)
         except Refusal as refusal:
@@ -430,6 +436,7 @@ class _FenceTools:
         # cost more than the call; any other store may block, so it runs off the loop
         self.offload = fence.store.name != "memory"
         self.offloader = Offloader(name="effectfence-mcp")
+        self.readers = Offloader(READER_THREADS, name="effectfence-mcp-read")
         self._background: set[asyncio.Future[Any]] = set()  # releases after a cancel
         self.idle_sweeps = 0
 
@@ -443,14 +450,19 @@ class _FenceTools:
             return await anyio.to_thread.run_sync(fn, *args)
         return await self.offloader.run(fn, *args)
 
-    async def off_loop_to_the_end(self, op: Callable[..., Any], req: Any, d: Decision) -> Any:
-        """:meth:`off_loop` for a tool call. A caller that goes away (a cancel) while the
-        step runs does not stop the step: it finishes in its thread, and is then logged and
-        counted like any other (:meth:`after_cancel`)."""
+    async def off_loop_to_the_end(
+        self, op: Callable[..., Any], req: Any, d: Decision, read_only: bool = False
+    ) -> Any:
+        """:meth:`off_loop` for a tool call (a read-only one on the readers' threads). A
+        caller that goes away (a cancel) while the step runs does not stop the step: it
+        finishes in its thread, and is then logged and counted like any other
+        (:meth:`after_cancel`)."""
         try:
             asyncio.get_running_loop()
         except RuntimeError:
             return await self.off_loop(op, req, d)
+        if read_only:
+            return await self.readers.run(op, req, d)  # a read: nothing to finish or log
         job = asyncio.ensure_future(self.off_loop(op, req, d))
         try:
             return await asyncio.shield(job)
@@ -832,6 +844,7 @@ def build_server(
             finally:
                 tg.cancel_scope.cancel()
                 tools.offloader.close()
+                tools.readers.close()
 
     registered = [
         _tool(
