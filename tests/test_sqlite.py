@@ -294,6 +294,131 @@ def test_clock_step_back_seen_by_a_writer_first(tmp_path: Path) -> None:
     store.close()
 
 
+def _booted(path: str, boot: FakeClock, wall: FakeClock, boot_id: str = "boot-1") -> Any:
+    store = SQLiteStore(path, clock=boot, wall=wall, boot_id=boot_id)
+    return store, EffectFence(FenceConfig(lease_ttl=10.0, auto_sweep=False), store=store)
+
+
+def test_a_wall_clock_step_and_its_correction_neither_steal_nor_keep_a_lease(
+    tmp_path: Path,
+) -> None:
+    """Leases run on the boot clock: a wall clock stepped an hour ahead steals nothing, and
+    stepped back again leaves store time where the boot clock says (found by review: the
+    correcting step left store time an hour ahead, and the next step lapsed every lease)."""
+    boot, wall = FakeClock(5_000.0), FakeClock(1_700_000_000.0)
+    store, fence = _booted(str(tmp_path / "t.db"), boot, wall)
+    t = fence.prepare(req(agent="holder")).ticket
+    t0 = store.now()
+    wall.advance(3600.0)  # stepped ahead
+    boot.advance(5.0)
+    with pytest.raises(IntentInFlight):
+        fence.prepare(req(agent="thief"))
+    wall.advance(-7200.0)  # corrected, and an hour too far back
+    boot.advance(4.0)
+    with pytest.raises(IntentInFlight):
+        fence.prepare(req(agent="thief"))
+    assert store.now() == pytest.approx(t0 + 9.0)  # neither ahead nor behind
+    boot.advance(1.0)
+    adm = fence.prepare(req(agent="taker"))
+    assert adm.fresh and adm.takeover and adm.ticket.token > t.token
+    store.close()
+
+
+def test_the_default_clock_is_one_no_wall_clock_step_moves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default store reads the host's boot-time clock, not ``time.time``."""
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 3600.0)  # an hour ahead from now on
+    store = SQLiteStore(str(tmp_path / "d.db"))
+    fence = EffectFence(FenceConfig(lease_ttl=600.0, auto_sweep=False), store=store)
+    try:
+        t = fence.prepare(req(agent="holder")).ticket
+        monkeypatch.setattr(time, "time", lambda: real() + 7200.0)  # and another
+        with pytest.raises(IntentInFlight):
+            fence.prepare(req(agent="thief"))
+        assert store.now() < t.lease_until
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("uptime", [3.0, 9_000.0], ids=["boot-clock-below", "boot-clock-above"])
+def test_after_a_reboot_store_time_goes_on_with_the_downtime(tmp_path: Path, uptime: float) -> None:
+    """The boot id, not the reading, tells a reboot: the new boot's clock may well read
+    more than the old one's did."""
+    boot, wall = FakeClock(5_000.0), FakeClock(1_700_000_000.0)
+    path = str(tmp_path / "r.db")
+    store, fence = _booted(path, boot, wall)
+    t = fence.prepare(req(agent="holder")).ticket
+    t0 = store.now()
+    store.close()
+    # the machine is down a minute; its boot clock starts again from nearly nothing
+    boot2, wall2 = FakeClock(uptime), FakeClock(1_700_000_060.0)
+    store, fence = _booted(path, boot2, wall2, "boot-2")
+    assert store.now() == pytest.approx(t0 + 60.0)  # a reader is first to see the reboot
+    adm = fence.prepare(req(agent="taker"))  # the holder died with the machine
+    assert adm.takeover and adm.ticket.token > t.token
+    assert adm.ticket.lease_until == pytest.approx(t0 + 70.0)
+    store.close()
+
+
+def test_a_wall_clock_gone_back_across_a_reboot_takes_no_time_back(tmp_path: Path) -> None:
+    boot, wall = FakeClock(5_000.0), FakeClock(1_700_000_000.0)
+    path = str(tmp_path / "r.db")
+    store, fence = _booted(path, boot, wall)
+    fence.prepare(req(agent="holder"))
+    t0 = store.now()
+    store.close()
+    store, fence = _booted(path, FakeClock(3.0), FakeClock(1_699_990_000.0), "boot-2")
+    with pytest.raises(IntentInFlight):  # a write is first to see the reboot
+        fence.prepare(req(agent="thief"))
+    assert store.now() == pytest.approx(t0)
+    store.close()
+
+
+def test_a_file_of_an_older_version_keeps_its_time_and_its_wall_columns(tmp_path: Path) -> None:
+    """A file without the boot columns gains them with store time unchanged, and the wall
+    pair older versions judge by is still kept up."""
+    path = str(tmp_path / "old.db")
+    SQLiteStore(path, clock=FakeClock(1_700_000_000.0)).close()
+    conn = sqlite3.connect(path, isolation_level=None)
+    for column in ("boot_id", "boot_offset", "boot_last"):
+        conn.execute(f"ALTER TABLE fence DROP COLUMN {column}")
+    # as an older version left it: an hour's step back absorbed into the offset
+    conn.execute("UPDATE fence SET clock_offset = 3600.0, clock_last = 1700000100.0")
+    conn.close()
+    boot, wall = FakeClock(5_000.0), FakeClock(1_700_000_050.0)
+    store, fence = _booted(path, boot, wall)
+    assert store.now() == pytest.approx(1_700_000_100.0 + 3600.0)
+    boot.advance(1.0)
+    wall.advance(100.0)
+    fence.prepare(req())
+    conn = sqlite3.connect(path, isolation_level=None)
+    row = conn.execute("SELECT clock_offset, clock_last, boot_id FROM fence").fetchone()
+    conn.close()
+    assert row == (3600.0, 1_700_000_150.0, "boot-1")
+    assert store.now() == pytest.approx(1_700_000_101.0 + 3600.0)
+    store.close()
+
+
+def test_the_boot_clock_reads_the_host_clock_under_a_time_namespace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from effectfence.store import sqlite as mod
+
+    if not hasattr(time, "CLOCK_BOOTTIME") or not os.path.exists(mod._BOOT_ID):
+        pytest.skip("no boot-time clock on this platform")
+    offsets = tmp_path / "timens_offsets"
+    offsets.write_text("monotonic 0 0\nboottime 100 500000000\n")
+    monkeypatch.setattr(mod, "_TIMENS", str(offsets))
+    clock, boot = mod._boot_clock()
+    assert boot == Path(mod._BOOT_ID).read_text().strip()
+    host = time.clock_gettime(time.CLOCK_BOOTTIME)
+    assert host - 100.5 <= clock() <= time.clock_gettime(time.CLOCK_BOOTTIME) - 100.5
+    monkeypatch.setattr(mod, "_BOOT_ID", str(tmp_path / "missing"))
+    assert mod._boot_clock() == (time.time, "wall")
+
+
 # -- errors ---------------------------------------------------------------------------------------
 
 
@@ -1081,7 +1206,7 @@ def test_a_carried_over_record_is_typed_as_read_back_with_an_int_clock(tmp_path:
     fence = EffectFence(FenceConfig(auto_sweep=False), store=store)
     try:
         fence.abort(fence.prepare(req("charge:1")).ticket, "unknown")
-        fresh = SQLiteStore(path)
+        fresh = SQLiteStore(path, clock=lambda: 1_700_000_000)  # same clock: reads, no rebase
         want, _ = fresh.read("charge:1")
         fresh.close()
         _no_statements(store)

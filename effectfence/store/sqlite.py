@@ -29,23 +29,24 @@ Design
 
 Time
 ----
-Leases are judged by the host's wall clock, which every process on the host shares (a
-monotonic clock restarts with the machine, and the file outlives it). A wall clock can be
-stepped backwards (NTP, an operator), and a store clock that went back would keep every
-lease alive that long, and let records be judged by deadlines from "the future". So the
-store's clock is ``wall + offset``, with ``(offset, last wall reading)`` persisted in the
-``fence`` row and updated inside every write step, under the write lock. When a reading is
-below the last one, the offset grows by the difference: store time stands still across the
-jump and then moves on with the wall clock, so a step back steals no lease. A step
-*forward* cannot be told apart from time passing: leases lapse early and results are swept
-early by the size of the step, and a lease that lapses early is what the fencing token is
-for. That includes the forward step that CORRECTS an earlier step back: the offset the step
-back added stays, and store time runs ahead by it (known, found by review; the fix is a
-boot-time clock kept with the boot id, which a wall clock cannot move). A step back also
-falls back to the last write's reading: store time may go back by the time since the last
-write, and a lease then lasts that much longer. Readers compute ``offset + max(wall,
-last)``, and rewrite the offset themselves when they see the wall clock more than a second
-behind, so waiters do not stand still until the next write.
+Leases are judged by the host's boot-time clock (Linux ``CLOCK_BOOTTIME``): every process on
+the host reads the same one, it counts suspend, and no wall-clock step (NTP, an operator, a
+VM resumed) moves it. It restarts with the machine and the file outlives it, so the
+``fence`` row keeps ``(boot id, offset, last reading)``, updated inside every write step
+under the write lock: store time is ``reading + offset``. The first write after a reboot
+(a new ``/proc/sys/kernel/random/boot_id``) rebases the offset so that store time goes on
+from where the last boot left it, plus the downtime as the wall clock measured it (never
+minus: a wall clock that went back across the reboot adds nothing). Every holder on the
+host died with the reboot, so that one wall-clock reading can lapse no lease of a
+living holder. A reading below the last one (only an injected clock does that) leaves store
+time standing, as with the wall clock before. Where there is no boot-time clock (not
+Linux) the wall clock is used as before (``boot id "wall"``), and a wall-clock step forward
+lapses leases early there.
+
+The ``clock_offset``/``clock_last`` pair (store time by the wall clock) is still kept up
+for processes of older versions sharing the file during an upgrade; a file written by an
+older version gains the boot columns when next opened, set so that store time goes on
+unchanged.
 """
 
 from __future__ import annotations
@@ -105,8 +106,46 @@ DEFAULT_BUSY_TIMEOUT = 10.0
 _MAX_BUSY_TIMEOUT = (2**31 - 1) / 1000  # SQLite's timeout is a C int of milliseconds
 #: SQLITE_BUSY and SQLITE_LOCKED: the low byte of an extended result code names its class
 _BUSY_CODES = (5, 6)
-#: a wall-clock reading this far behind the last one is a step back: readers rebase
+#: a clock reading this far behind the last one is a step back: readers rebase
 _REBASE_AFTER = 1.0
+#: the boot clock's columns, added to the ``fence`` row of a file of an older version
+_BOOT_COLUMNS = (
+    "boot_id TEXT NOT NULL DEFAULT ''",
+    "boot_offset REAL NOT NULL DEFAULT 0",
+    "boot_last REAL NOT NULL DEFAULT 0",
+)
+_BOOT_ID = "/proc/sys/kernel/random/boot_id"
+_TIMENS = "/proc/self/timens_offsets"
+
+
+def _boot_clock() -> tuple[Callable[[], float], str]:
+    """The host's boot-time clock and this boot's id; ``(time.time, "wall")`` where there is
+    none. A process in a time namespace has its namespace's offset taken back off, so it
+    reads the host's clock like every other process sharing the file."""
+    clk = getattr(time, "CLOCK_BOOTTIME", None)
+    try:
+        with open(_BOOT_ID, encoding="ascii") as f:
+            boot = f.read().strip()
+    except (OSError, ValueError):
+        boot = ""
+    if clk is None or not boot:
+        return time.time, "wall"
+    shift = 0.0
+    try:
+        with open(_TIMENS, encoding="ascii") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) == 3 and parts[0] in ("boottime", "7"):  # 7: CLOCK_BOOTTIME
+                    shift = int(parts[1]) + int(parts[2]) / 1e9
+    except (OSError, ValueError):
+        pass  # no time namespaces here: the host's clock
+
+    def boottime() -> float:
+        return time.clock_gettime(clk) - shift
+
+    return boottime, boot
+
+
 #: rows a sweep deletes per transaction, so the write lock is never held for long
 _SWEEP_BATCH = 1000
 _CERT_CACHE = 4096
@@ -371,8 +410,11 @@ CREATE TABLE IF NOT EXISTS fence (
     id INTEGER PRIMARY KEY CHECK (id = 0),
     token INTEGER NOT NULL,         -- last fencing token handed out
     floor INTEGER NOT NULL,         -- where new domains start (raised by evictions, G5)
-    clock_offset REAL NOT NULL,     -- store time = wall + clock_offset
-    clock_last REAL NOT NULL        -- the last wall reading a write step made
+    clock_offset REAL NOT NULL,     -- wall + clock_offset: store time by wall (older versions)
+    clock_last REAL NOT NULL,       -- the last wall reading a write step made
+    boot_id TEXT NOT NULL DEFAULT '',     -- the boot whose clock boot_last was read on
+    boot_offset REAL NOT NULL DEFAULT 0,  -- store time = boot-time clock + boot_offset
+    boot_last REAL NOT NULL DEFAULT 0     -- the last boot-time reading a write step made
 );
 CREATE TABLE IF NOT EXISTS intents (
     intent TEXT PRIMARY KEY,
@@ -470,8 +512,11 @@ def _parse_url(url: str) -> tuple[str, dict[str, str]]:
 class SQLiteStore(FenceStore):
     """Durable store in one SQLite file, shared by every process on the host.
 
-    ``clock`` is the wall clock (seconds since the epoch); tests inject a fake one. The
-    store's own clock (:meth:`now`) is derived from it and never goes backwards.
+    ``clock`` is the clock leases are judged by: by default the host's boot-time clock,
+    which no wall-clock step moves (see the module's "Time"). Tests inject a fake one, with
+    ``wall`` (default: ``clock`` itself when injected, else ``time.time``) and ``boot_id``
+    (default: this boot's id, or ``"injected"`` with an injected clock) to model steps
+    and reboots. The store's own clock (:meth:`now`) never goes backwards.
     """
 
     name = "sqlite"
@@ -482,7 +527,9 @@ class SQLiteStore(FenceStore):
         self,
         path: str,
         *,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
+        wall: Callable[[], float] | None = None,
+        boot_id: str | None = None,
         synchronous: str = "full",
         busy_timeout: float = DEFAULT_BUSY_TIMEOUT,
         cert_retention: float | None = None,
@@ -503,7 +550,14 @@ class SQLiteStore(FenceStore):
         self.synchronous = sync
         self.busy_timeout = float(busy_timeout)
         self.cert_retention = math.inf if cert_retention is None else float(cert_retention)
-        self._clock = clock
+        if clock is None:
+            self._clock, self._boot = _boot_clock()
+            self._wall = wall or time.time
+        else:
+            self._clock, self._boot = clock, "injected"
+            self._wall = wall or clock
+        if boot_id is not None:
+            self._boot = boot_id
         self._free: list[sqlite3.Connection] = []
         self._all: list[sqlite3.Connection] = []
         self._all_lock = _fork.lock()
@@ -907,10 +961,21 @@ class SQLiteStore(FenceStore):
                     "('store_id', ?), ('created_at', ?)",
                     (SCHEMA_VERSION, secrets.token_hex(16), time.time()),
                 )
+                if "boot_id" not in {r[1] for r in conn.execute("PRAGMA table_info(fence)")}:
+                    for column in _BOOT_COLUMNS:  # a file of an older version
+                        conn.execute(f"ALTER TABLE fence ADD COLUMN {column}")
                 conn.execute(
                     "INSERT OR IGNORE INTO fence (id, token, floor, clock_offset, clock_last) "
                     "VALUES (0, 0, 0, 0.0, ?)",
-                    (self._clock(),),
+                    (float(self._wall()),),
+                )
+                # new, or written by a version before the boot clock: store time goes on
+                # from what it is by the wall clock, now on the boot clock
+                conn.execute(
+                    "UPDATE fence SET boot_id = ?1, boot_last = ?2, "
+                    "boot_offset = max(?3, clock_last) + clock_offset - ?2 "
+                    "WHERE id = 0 AND boot_id = ''",
+                    (self._boot, float(self._clock()), float(self._wall())),
                 )
                 store_id = conn.execute("SELECT value FROM meta WHERE key = 'store_id'").fetchone()
                 conn.execute("COMMIT")
@@ -933,40 +998,40 @@ class SQLiteStore(FenceStore):
 
     # -- the clock --------------------------------------------------------------------------
     def _tick(self, conn: sqlite3.Connection, token: bool = False) -> tuple[float, int]:
-        """Inside a write step: read the wall clock once, under the write lock, advance the
-        persisted clock state, and return (store now, new token if ``token``)."""
-        wall = float(self._clock())  # an injected clock may answer ints: kept as read back
-        if token:
-            row = conn.execute(
-                "UPDATE fence SET token = token + 1, "
-                "clock_offset = clock_offset + max(0.0, clock_last - ?1), clock_last = ?1 "
-                "WHERE id = 0 RETURNING clock_offset, token",
-                (wall,),
-            ).fetchall()[0]
-            offset = float(row[0])
-            self._ticked = (offset, wall)
-            return wall + offset, row[1]
+        """Inside a write step: read the clock once, under the write lock, advance the
+        persisted clock state, and return (store now, new token if ``token``).
+
+        Same boot: the offset stays (it grows only if the reading went back, which holds
+        store time still). Another boot: store time goes on from the last boot's, plus the
+        downtime by the wall clock, never minus (see the module's "Time"). The wall-clock
+        pair is kept up for older versions sharing the file."""
+        reading = float(self._clock())  # an injected clock may answer ints
         row = conn.execute(
-            "UPDATE fence SET clock_offset = clock_offset + max(0.0, clock_last - ?1), "
-            "clock_last = ?1 WHERE id = 0 RETURNING clock_offset",
-            (wall,),
+            "UPDATE fence SET token = token + ?4, "
+            "clock_offset = clock_offset + max(0.0, clock_last - ?1), clock_last = ?1, "
+            "boot_offset = CASE WHEN boot_id = ?3 THEN boot_offset + max(0.0, boot_last - ?2) "
+            "ELSE boot_last + boot_offset + max(0.0, ?1 - clock_last) - ?2 END, "
+            "boot_last = ?2, boot_id = ?3 WHERE id = 0 RETURNING boot_offset, token",
+            (float(self._wall()), reading, self._boot, 1 if token else 0),
         ).fetchall()[0]
         offset = float(row[0])
-        self._ticked = (offset, wall)
-        return wall + offset, 0
+        self._ticked = (offset, reading)
+        return reading + offset, row[1] if token else 0
 
-    def _now_from(self, offset: float, last: float) -> float:
-        wall = self._clock()
-        if last - wall > _REBASE_AFTER:
-            # the wall clock stepped back: move the offset now, so readers (waiters, takers
-            # of a lapsed lease) see time moving on without waiting for some write
+    def _now_from(self, offset: float, last: float, boot: str) -> float:
+        reading = self._clock()
+        if boot != self._boot or last - reading > _REBASE_AFTER:
+            # a reboot, or the clock read back: rebase now, so readers (waiters, takers of
+            # a lapsed lease) see time moving on without waiting for some write
             now: float = self._write("now", lambda c: self._tick(c)[0])
             return now
-        return offset + (wall if wall > last else last)
+        return offset + (reading if reading > last else last)
 
     def now(self) -> float:
-        (row,) = self._query("now", "SELECT clock_offset, clock_last FROM fence WHERE id = 0")
-        return self._now_from(row[0], row[1])
+        (row,) = self._query(
+            "now", "SELECT boot_offset, boot_last, boot_id FROM fence WHERE id = 0"
+        )
+        return self._now_from(row[0], row[1], row[2])
 
     # -- records ----------------------------------------------------------------------------
     def _decode(self, row: Sequence[Any]) -> IntentRecord:
@@ -1046,16 +1111,19 @@ class SQLiteStore(FenceStore):
                     if walked >= _MERGE_WALK and rec is not _ABSENT:
                         self._merge(kept)  # served from deep down: the next one is not
                 if rec is not _ABSENT:
-                    return rec, self._now_from(kept.offset, kept.last)  # type: ignore[return-value]
+                    now = self._now_from(kept.offset, kept.last, self._boot)
+                    return rec, now  # type: ignore[return-value]
             if not _whole(header):
                 header = None
         (row,) = self._query(
             "read",
-            f"SELECT f.clock_offset, f.clock_last, {_ICOLS} FROM fence f "
+            f"SELECT f.boot_offset, f.boot_last, f.boot_id, {_ICOLS} FROM fence f "
             "LEFT JOIN intents i ON i.intent = ? WHERE f.id = 0",
             (intent,),
         )
-        rec = None if row[2] is None else self._decode(row[2:])
+        rec = None if row[3] is None else self._decode(row[3:])
+        if row[2] != self._boot:
+            header = None  # the clock state of another boot is never kept: rebased below
         # kept only when the header is the same after the statement: then no commit came
         # between, and the statement read exactly the state the header names (a later
         # state kept under it would pair its record with the clock state of this one)
@@ -1071,7 +1139,7 @@ class SQLiteStore(FenceStore):
                     self._kept = _Kept(header, kept.offset, kept.last, {intent: rec})
                 else:
                     kept.records[intent] = rec
-        return rec, self._now_from(row[0], row[1])  # may write (a clock rebase): unlocked
+        return rec, self._now_from(row[0], row[1], row[2])  # may write (a rebase): unlocked
 
     def _kept_record(self, intent: str) -> Any:
         """What the read cache holds for ``intent`` now (for tests: ``_ABSENT`` if none)."""
