@@ -391,6 +391,28 @@ def test_pg_waiter_in_another_process_is_woken_by_the_commit(pg: Any) -> None:
     assert done == [True], "woken by the commit, well before the 50 s wait ran out"
 
 
+def test_pg_a_listener_that_cannot_connect_never_holds_a_waiter(pg: Any) -> None:
+    """A server that takes the connection and never answers (found by review: libpq's
+    connect waits for ever, and it ran in the waiter's thread)."""
+    import socket
+
+    hole = socket.create_server(("127.0.0.1", 0))  # the kernel accepts; nobody answers
+    try:
+        pg._conninfo = f"host=127.0.0.1 port={hole.getsockname()[1]} dbname=test"
+        ticket = EffectFence(FenceConfig(lease_ttl=60.0), store=pg).prepare(req()).ticket
+        seen = pg.get(ticket.intent)
+        done: list[bool] = []
+        t = threading.Thread(
+            target=lambda: done.append(pg.wait_for_change(ticket.intent, seen, 0.5)), daemon=True
+        )
+        t.start()
+        t.join(timeout=10.0)
+        assert done == [False], "the wait outlived its timeout"
+        assert pg._listen_conn is None
+    finally:
+        hole.close()  # ends the connect, whoever makes it
+
+
 def test_pg_idle_connections_cut_before_a_step_cost_a_reconnect(pg: Any) -> None:
     fence = EffectFence(store=pg)
     fence.prepare(req("warm"))  # the pool holds a connection

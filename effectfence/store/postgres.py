@@ -52,6 +52,7 @@ import re
 import secrets
 import select
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -61,6 +62,7 @@ import psycopg
 import psycopg.errors
 import psycopg_pool
 from psycopg import pq, sql
+from psycopg.conninfo import conninfo_to_dict
 
 from effectfence.errors import StoreUnavailable
 from effectfence.protocol import IntentRecord, State
@@ -116,6 +118,8 @@ _FOUND = RECORD_FIELDS[1:]
 _RETRY_SQLSTATES = {"40P01", "40001"}
 _TUPLES_OK = pq.ExecStatus.TUPLES_OK
 _MAX_RETRIES = 5
+#: a listener whose connect failed is started again at most this often (waiters poll)
+_RELISTEN = 1.0
 
 # Every step function: {s} is the quoted schema, {ch} the NOTIFY channel (a literal).
 # ``now`` is the server's clock_timestamp() unless a test passes p_now.
@@ -680,6 +684,12 @@ class PostgresStore(FenceStore):
         self._listener: threading.Thread | None = None
         self._listen_conn: psycopg.Connection[Any] | None = None
         self._listener_lock = _fork.lock()
+        self._relisten_at = 0.0
+        # libpq waits for ever by default: the listener's connect is bounded unless the
+        # operator's URL says otherwise
+        self._listen_timeout: dict[str, Any] = (
+            {} if "connect_timeout" in conninfo_to_dict(self._conninfo) else {"connect_timeout": 10}
+        )
         try:
             self.store_id = self._init_schema()
         except BaseException:
@@ -1507,41 +1517,58 @@ class PostgresStore(FenceStore):
 
     # -- waiting ------------------------------------------------------------------------------
     def _listening(self) -> bool:
-        """Start the listener thread (LISTEN on a dedicated connection) if it is not running."""
-        if self._listener is not None and self._listener.is_alive():
-            return True
+        """Whether the listener thread is LISTENing; starts one if none runs.
+
+        The thread connects on its own, so a waiter never waits on a connect (a server
+        that accepts and never answers held waiters past their timeout, found by review);
+        until it listens, waiters poll. A failed connect is retried at most every
+        ``_RELISTEN`` seconds."""
+        listener = self._listener
+        if listener is not None and listener.is_alive():
+            return self._listen_conn is not None
         with self._listener_lock:
-            if self._closed:
+            if self._closed or self._fork != _fork.generation():
                 return False
             if self._listener is not None and self._listener.is_alive():
-                return True
-            try:
-                conn = psycopg.connect(self._conninfo, autocommit=True)
-                conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
-            except psycopg.Error:
-                return False  # waiters poll meanwhile
-            self._listen_conn = conn
+                return self._listen_conn is not None
+            now = time.monotonic()
+            if now < self._relisten_at:
+                return False
+            self._relisten_at = now + _RELISTEN
+            self._listen_conn = None
             self._listener = threading.Thread(
-                target=self._listen, args=(conn,), name="effectfence-pg-listen", daemon=True
+                target=self._listen, name="effectfence-pg-listen", daemon=True
             )
             self._listener.start()
-            self._waiters.wake_all()
-            return True
+            return False
 
-    def _listen(self, conn: psycopg.Connection[Any]) -> None:
+    def _listen(self) -> None:
         try:
+            conn = psycopg.connect(self._conninfo, autocommit=True, **self._listen_timeout)
+        except psycopg.Error:
+            return  # waiters poll; the next one after _RELISTEN tries again
+        try:
+            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
+            with self._listener_lock:
+                if self._closed:
+                    return
+                self._listen_conn = conn
+            self._waiters.wake_all()  # anything may have changed before the LISTEN
             while not self._closed:
                 for note in conn.notifies(timeout=0.25):
                     self._waiters.wake(note.payload)
         except psycopg.Error:
             pass  # the next waiter starts a new listener
         finally:
+            self._listen_conn = None
             with contextlib.suppress(Exception):
                 conn.close()
 
     def wait_for_change(self, intent: str, seen: IntentRecord | None, timeout: float) -> bool:
         """Woken by the NOTIFY of the intent's next transition in any process."""
         key = hashlib.md5(intent.encode(), usedforsecurity=False).hexdigest()
+        if self._fork != _fork.generation():
+            self._forked("wait")  # first: the wait below is on the child's own waiters
         return self._waiters.wait(key, seen, timeout, lambda: self._watch(intent), self._listening)
 
     def _watch(self, intent: str) -> IntentRecord | None:
