@@ -719,6 +719,46 @@ def test_redis_claim_reply_lost_is_unavailable_never_fresh(rs: Any) -> None:
     assert fence.stats()["prepare"]["store_unavailable"] == 1
 
 
+def test_redis_a_waiter_is_not_told_live_before_the_subscription_is(rs: Any) -> None:
+    """A PUBLISH the server handles before the listener's SUBSCRIBE reaches nobody. A
+    listener counted as live once it had *sent* SUBSCRIBE let a waiter sleep through the
+    change it waited for (found by review). Here the SUBSCRIBE is held back until after the
+    commit: the waiter must see the commit anyway, long before its poll would."""
+    from effectfence.store.redis import RedisStore
+
+    holder_store = RedisStore(client=rs._r, prefix=rs.prefix)
+    holder = EffectFence(FenceConfig(lease_ttl=60.0), store=holder_store)
+    ticket = holder.prepare(req()).ticket
+    gate = threading.Event()
+    real_pubsub = rs._r.pubsub
+
+    def held_pubsub(*args: Any, **kwargs: Any) -> Any:
+        ps = real_pubsub(*args, **kwargs)
+        subscribe = ps.subscribe
+
+        def later(*channels: Any, **kw: Any) -> None:
+            threading.Thread(
+                target=lambda: (gate.wait(30), subscribe(*channels, **kw)), daemon=True
+            ).start()
+
+        ps.subscribe = later
+        return ps
+
+    rs._r.pubsub = held_pubsub
+    rs._waiters.poll = 120.0  # no slow re-reads: only a wake, or not being live, ends it
+    done: list[bool] = []
+    waiter = EffectFence(FenceConfig(lease_ttl=60.0), store=rs)
+    t = threading.Thread(target=lambda: done.append(waiter.wait("charge:1", 50.0)), daemon=True)
+    t.start()
+    until(lambda: rs._waiters._events, "the waiter's registration")
+    holder.commit(ticket, "r")
+    gate.set()
+    t.join(timeout=20)
+    del rs._r.pubsub
+    holder_store.close()
+    assert done == [True], "the waiter slept through the commit"
+
+
 @pytest.fixture
 def own_rs() -> Iterator[Any]:
     """A Redis store built from a URL: its steps go on its own connections."""

@@ -112,6 +112,8 @@ _PREFIX_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _STATES = {s.value: s for s in State}
 _FIELDS = RECORD_FIELDS[1:]  # the hash fields of a record (the intent is in the key)
 _LOST = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+#: a listener that could not subscribe is started again at most this often (waiters poll)
+_RELISTEN = 1.0
 # Replies by which the server refuses a command before running it. Inside a script the same
 # checks run at its first write (the server refuses it only while the script has written
 # nothing, and the conditions cannot change while a script runs), and an unhandled error
@@ -665,6 +667,8 @@ class RedisStore(FenceStore):
         self._waiters = Waiters()
         self._listener: threading.Thread | None = None
         self._listener_lock = _fork.lock()
+        self._live = False  # the listener's subscription is confirmed
+        self._relisten_at = 0.0
         self.eviction_recheck = EVICTION_RECHECK
         self._checked_at = time.monotonic()  # when the eviction settings were read
         self._recheck_lock = _fork.lock()
@@ -1445,36 +1449,54 @@ class RedisStore(FenceStore):
 
     # -- waiting ------------------------------------------------------------------------------
     def _listening(self) -> bool:
-        if self._listener is not None and self._listener.is_alive():
-            return True
+        """Whether the listener's SUBSCRIBE is confirmed; starts a listener if none runs.
+
+        Live only once the server confirmed the subscription: a PUBLISH before that is not
+        delivered, and a waiter told "live" then would sleep through the change it waits for
+        (found by review). The thread subscribes on its own, so no waiter waits on a
+        connect; until it is live, waiters poll."""
+        listener = self._listener
+        if listener is not None and listener.is_alive():
+            return self._live
         with self._listener_lock:
             if self._closed:
                 return False
             if self._listener is not None and self._listener.is_alive():
-                return True
-            try:
-                ps = self._r.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
-                ps.subscribe(f"{self._p}:changes")
-            except _LOST:
-                return False  # waiters poll meanwhile
+                return self._live
+            now = time.monotonic()
+            if now < self._relisten_at:
+                return False
+            self._relisten_at = now + _RELISTEN
+            self._live = False
             self._listener = threading.Thread(
-                target=self._listen, args=(ps,), name="effectfence-redis-listen", daemon=True
+                target=self._listen, name="effectfence-redis-listen", daemon=True
             )
             self._listener.start()
-            self._waiters.wake_all()
-            return True
+            return False
 
-    def _listen(self, ps: Any) -> None:
+    def _listen(self) -> None:
+        channel = f"{self._p}:changes".encode()
+        ps: Any = None
         try:
+            ps = self._r.pubsub()  # type: ignore[no-untyped-call]
+            ps.subscribe(channel)
             while not self._closed:
                 msg = ps.get_message(timeout=0.25)
-                if msg is not None and msg.get("type") == "message":
+                if msg is None:
+                    continue
+                kind = msg.get("type")
+                if kind == "message":
                     self._waiters.wake(msg["data"].decode())
+                elif kind == "subscribe" and msg.get("channel") == channel:
+                    self._live = True
+                    self._waiters.wake_all()  # anything may have changed before it
         except (*_LOST, redis.exceptions.RedisError):
             pass  # the next waiter starts a new listener
         finally:
-            with contextlib.suppress(Exception):
-                ps.close()
+            self._live = False
+            if ps is not None:
+                with contextlib.suppress(Exception):
+                    ps.close()
 
     def wait_for_change(self, intent: str, seen: IntentRecord | None, timeout: float) -> bool:
         """Woken by the PUBLISH of the intent's next transition in any process."""
