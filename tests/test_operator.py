@@ -265,6 +265,88 @@ def test_certs_export_and_verify_from_the_store(
     assert certs_ == [] and "missing fields" in complaint
 
 
+def test_verify_with_nothing_to_verify_is_not_ok(
+    fence: EffectFence, store_kind: str, tmp_path: Path
+) -> None:
+    """A mistyped domain (or an empty export) must not pass for a sound trail."""
+    committed(fence, 1)
+    if not store_kind.startswith("memory"):
+        code, text = run(certs.main, fence, "order:typo", "--verify")
+        assert code == certs.NOT_FOUND and text.startswith("NOTHING TO VERIFY"), text
+        assert "OK" not in text
+        code, text = run(certs.main, fence, "order:typo", "--verify", "--json")
+        assert code == certs.NOT_FOUND and json.loads(text)["found"] is False
+        code, text = run(certs.main, fence, "order:1", "--verify", "--after", "1")
+        assert code == certs.NOT_FOUND and "after seq 1" in text
+        assert run(certs.main, fence, "order:1", "--verify")[0] == 0
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    code, text = run(certs.main, fence, "--file", str(empty), "--verify")
+    assert code == certs.NOT_FOUND and "no certificate in" in text
+
+
+def _store_url(kind: str, name: str, tmp_path: Path) -> str:
+    from support import PG_DSN, REDIS_URL, need
+
+    if kind == "sqlite":
+        return f"sqlite:///{str(tmp_path / name).lstrip('/')}"
+    need("pg" if kind == "postgresql" else "redis")
+    base = PG_DSN if kind == "postgresql" else REDIS_URL
+    return f"{base}?{'schema' if kind == 'postgresql' else 'prefix'}={name}"
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql", "redis"])
+@pytest.mark.parametrize("command", ["intents", "certs"])
+def test_looking_at_a_store_that_is_not_there_creates_none(
+    kind: str, command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A mistyped --store was created empty and shown as "no intents" (found by review)."""
+    from support import unique_name
+
+    name = unique_name("typo").strip("{}").replace("-", "_").lower()
+    url = _store_url(kind, name, tmp_path)
+    argv = ["list"] if command == "intents" else ["order:1", "--verify"]
+    main = intents.main if command == "intents" else certs.main
+    code = main([*argv, "--store", url])
+    err = capsys.readouterr().err
+    assert code == 1 and "no store" in err, err
+    if kind == "sqlite":
+        assert not (tmp_path / name).exists()
+    elif kind == "postgresql":
+        import psycopg
+        from support import PG_DSN
+
+        with psycopg.connect(PG_DSN) as conn:
+            found = conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", (name,))
+            assert found.fetchone() is None, "the schema was created"
+    else:
+        import redis
+        from support import REDIS_URL
+
+        with redis.Redis.from_url(REDIS_URL) as r:
+            assert r.keys("{" + name + "}*") == []
+    # once something has used it, the same command reads it
+    EffectFence.from_url(url).close()
+    try:
+        assert main([*argv, "--store", url]) in (0, certs.NOT_FOUND)
+    finally:
+        if kind == "postgresql":
+            from support import drop_pg_schema
+
+            drop_pg_schema(name)
+        elif kind == "redis":
+            from support import drop_redis_prefix
+
+            drop_redis_prefix(name)
+
+
+def test_looking_at_an_empty_file_leaves_it_empty(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    assert intents.main(["list", "--store", f"sqlite:///{str(empty).lstrip('/')}"]) == 1
+    assert empty.stat().st_size == 0 and not Path(f"{empty}-wal").exists()
+
+
 def _trail(fence: EffectFence) -> list[str]:
     for n in range(1, 6):
         committed(fence, n)

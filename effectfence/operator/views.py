@@ -41,14 +41,16 @@ _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 def open_fence(url: str | None) -> EffectFence:
     """A fence on the store a URL names (None: the servers' default store). The operator's
-    fence never sweeps on its own: looking changes nothing."""
+    fence never sweeps on its own, and opens only a store that is there: looking changes
+    nothing, and a mistyped URL is told so, not shown an empty store it just made
+    (:class:`~effectfence.store.StoreMissing`)."""
     from effectfence.store import default_store_url, open_store
 
     target = default_store_url() if url is None else url
     config = FenceConfig(auto_sweep=False)
     if target.strip().lower() in ("memory:", "memory://", "memory"):
         return EffectFence(config)
-    return EffectFence(config, store=open_store(target))
+    return EffectFence(config, store=open_store(target, create=False))
 
 
 def whoami() -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from effectfence.store.base import FenceStore, Head, Outcome, Step
+from effectfence.store.base import FenceStore, Head, Outcome, Step, StoreMissing
 from effectfence.store.memory import MemoryStore
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "MemoryStore",
     "Outcome",
     "Step",
+    "StoreMissing",
     "StoreURLError",
     "default_store_url",
     "open_store",

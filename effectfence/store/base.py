@@ -39,7 +39,12 @@ from typing import Any
 
 from effectfence.protocol import IntentRecord, State
 
-__all__ = ["EMPTY_HEAD", "FenceStore", "Head", "Outcome", "Step"]
+__all__ = ["EMPTY_HEAD", "FenceStore", "Head", "Outcome", "Step", "StoreMissing"]
+
+
+class StoreMissing(ValueError):
+    """A store opened with ``create=False`` is not there: a file, schema or prefix that
+    nothing has written (a typo, or a store not used yet). Looking must not create one."""
 
 
 class Head:

@@ -78,6 +78,7 @@ from effectfence.store.base import (
     FenceStore,
     Head,
     Step,
+    StoreMissing,
 )
 from effectfence.store.codec import (
     NEVER,
@@ -627,6 +628,8 @@ class PostgresStore(FenceStore):
     ``schema``: where the tables live (created on first use). ``cert_retention``: seconds a
     certificate stays in the audit trail after its result expires (None: forever).
     ``clock``: for tests only, replaces the server's ``clock_timestamp()`` in every step.
+    ``create=False``: open only a schema a store wrote (:class:`StoreMissing` otherwise), for
+    looking without writing.
     """
 
     name = "postgresql"
@@ -647,6 +650,7 @@ class PostgresStore(FenceStore):
         timeout: float = DEFAULT_TIMEOUT,
         cert_retention: float | None = None,
         clock: Callable[[], float] | None = None,
+        create: bool = True,
     ) -> None:
         if (conninfo is None) == (pool is None):
             raise ValueError("give a PostgreSQL store either conninfo or pool, not both")
@@ -657,6 +661,7 @@ class PostgresStore(FenceStore):
         if not timeout > 0:
             raise ValueError("timeout must be > 0 seconds")
         self.schema = schema
+        self._create = create
         self.timeout = float(timeout)
         self.cert_retention = math.inf if cert_retention is None else float(cert_retention)
         self._clock = clock
@@ -940,6 +945,11 @@ class PostgresStore(FenceStore):
                                 found=found,
                                 supported=SCHEMA_VERSION,
                             )
+                    elif not self._create:
+                        raise StoreMissing(
+                            f"no store in PostgreSQL schema {self.schema!r}: nothing has used "
+                            "it yet, or the URL names another schema or database"
+                        )
                     elif exists[1]:
                         tables = conn.execute(
                             "SELECT count(*) FROM pg_tables WHERE schemaname = %s", (self.schema,)

@@ -88,6 +88,7 @@ from effectfence.store.base import (
     FenceStore,
     Head,
     Step,
+    StoreMissing,
 )
 from effectfence.store.codec import (
     NEVER,
@@ -595,7 +596,8 @@ class RedisStore(FenceStore):
     only, replaces the server's ``TIME`` in every script. ``allow_eviction``: open even where
     the server may evict keys (maxmemory with a policy other than noeviction, or settings that
     cannot be read); refused otherwise, since an evicted record or counter lets an effect run
-    twice. Reported in :meth:`durability` and ``describe()``.
+    twice. Reported in :meth:`durability` and ``describe()``. ``create=False``: open only a
+    prefix some store wrote (:class:`StoreMissing` otherwise), for looking without writing.
     """
 
     name = "redis"
@@ -616,6 +618,7 @@ class RedisStore(FenceStore):
         clock: Callable[[], float] | None = None,
         max_connections: int = 64,
         allow_eviction: bool = False,
+        create: bool = True,
     ) -> None:
         if (url is None) == (client is None):
             raise ValueError("give a Redis store either url or client, not both")
@@ -624,6 +627,7 @@ class RedisStore(FenceStore):
         if certs_per_domain is not None and certs_per_domain < 1:
             raise ValueError("certs_per_domain must be >= 1, or None to keep all")
         self.prefix = prefix
+        self._create = create
         self._p = "{" + prefix + "}"
         self._clock = clock
         self.timeout = float(timeout)
@@ -732,6 +736,11 @@ class RedisStore(FenceStore):
     def _init(self) -> str:
         meta = f"{self._p}:meta"
         r = self._r
+        if not self._create and not r.exists(meta):
+            raise StoreMissing(
+                f"no store under Redis prefix {self.prefix!r}: nothing has used it yet, or "
+                "the URL names another prefix or database"
+            )
         r.hsetnx(meta, "schema_version", str(SCHEMA_VERSION))
         r.hsetnx(meta, "store_id", secrets.token_hex(16))
         version, store_id = r.hmget(meta, ["schema_version", "store_id"])

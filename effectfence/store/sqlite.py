@@ -79,6 +79,7 @@ from effectfence.store.base import (
     FenceStore,
     Head,
     Step,
+    StoreMissing,
     same_record,
 )
 from effectfence.store.codec import (
@@ -512,8 +513,10 @@ def _parse_url(url: str) -> tuple[str, dict[str, str]]:
 class SQLiteStore(FenceStore):
     """Durable store in one SQLite file, shared by every process on the host.
 
-    ``clock`` is the clock leases are judged by: by default the host's boot-time clock,
-    which no wall-clock step moves (see the module's "Time"). Tests inject a fake one, with
+    ``create=False`` opens only a store that is there (:class:`StoreMissing` otherwise):
+    the operator's commands look without creating. ``clock`` is the clock leases are judged
+    by: by default the host's boot-time clock, which no wall-clock step moves (see the
+    module's "Time"). Tests inject a fake one, with
     ``wall`` (default: ``clock`` itself when injected, else ``time.time``) and ``boot_id``
     (default: this boot's id, or ``"injected"`` with an injected clock) to model steps
     and reboots. The store's own clock (:meth:`now`) never goes backwards.
@@ -530,6 +533,7 @@ class SQLiteStore(FenceStore):
         clock: Callable[[], float] | None = None,
         wall: Callable[[], float] | None = None,
         boot_id: str | None = None,
+        create: bool = True,
         synchronous: str = "full",
         busy_timeout: float = DEFAULT_BUSY_TIMEOUT,
         cert_retention: float | None = None,
@@ -546,6 +550,12 @@ class SQLiteStore(FenceStore):
         if cert_retention is not None and not cert_retention >= 0:
             raise ValueError("cert_retention must be >= 0 seconds, or None to keep forever")
         self.path = os.path.abspath(path)
+        self._create = create
+        if not create and not os.path.exists(self.path):
+            raise StoreMissing(
+                f"no store at {self.path}: nothing has used it yet (serve and wrap create "
+                "it), or the URL names another file"
+            )
         self._real = os.path.realpath(self.path)  # the name SQLite's -wal and -shm follow
         self.synchronous = sync
         self.busy_timeout = float(busy_timeout)
@@ -915,6 +925,8 @@ class SQLiteStore(FenceStore):
             # a file that is not ours is refused before anything is written to it (the
             # switch to WAL below is persistent: it would change another program's file)
             tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master")}
+            if not tables and not self._create:  # an empty file: looking must not make it one
+                raise StoreMissing(f"no store at {self.path}: the file is empty")
             if tables and not _ours(conn, tables):
                 # a table named meta is not enough: another program's file was switched to
                 # WAL, or adopted, on that alone (found by review)
