@@ -34,7 +34,10 @@ from effectfence.operator.trail import (
 )
 from effectfence.operator.views import open_fence
 
-__all__ = ["main"]
+__all__ = ["NOT_FOUND", "main"]
+
+#: ``--verify`` found no certificate to check (as ``intents show`` of no such intent)
+NOT_FOUND = 3
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -94,6 +97,15 @@ def print_report(report: TrailReport, out: TextIO, *, as_json: bool) -> None:
         print(f"overlapping attempts (not damage): {pairs}{more}", file=out)
 
 
+def _nothing(what: str, report: TrailReport, out: TextIO, as_json: bool) -> int:
+    """Nothing to verify is not "OK": a mistyped domain must not pass for a sound trail."""
+    if as_json:
+        print(json.dumps({**report.to_dict(), "found": False}, sort_keys=True), file=out)
+    else:
+        print(f"NOTHING TO VERIFY: {what}", file=out)
+    return NOT_FOUND
+
+
 def main(
     argv: list[str] | None = None, *, fence: EffectFence | None = None, out: TextIO | None = None
 ) -> int:
@@ -111,6 +123,8 @@ def main(
             print(f"effectfence certs: can't read {args.file}: {exc.strerror}", file=sys.stderr)
             return 1
         report = check_trail(certs, lines)
+        if not certs and not complaint:
+            return _nothing(f"no certificate in {args.file}", report, out, args.json)
         if complaint:
             if "missing fields" in complaint:
                 complaint += " (an export without --show-payload cannot be verified)"
@@ -131,6 +145,15 @@ def main(
             report = check_trail(list(trail))
             if report.domain is None:
                 report = TrailReport(True, 0, args.domain)
+                where = "" if args.after == 0 else f" after seq {args.after}"
+                return _nothing(
+                    f"no certificate of {args.domain!r} in this store{where} (a domain "
+                    "nothing has committed in, a mistyped one, or a trail pruned by "
+                    "cert_retention)",
+                    report,
+                    out,
+                    args.json,
+                )
             print_report(report, out, as_json=args.json)
             return 0 if report.ok else 1
         for cert in trail:
