@@ -525,6 +525,27 @@ async def test_a_ticket_whose_mac_is_not_hex_is_refused_invalid_ticket_and_count
         ok(await client.call_tool("fence_commit", {"prepared": ticket, "result": 1}))
 
 
+async def test_the_in_flight_gauge_counts_tickets_not_answers() -> None:
+    """A retried commit is answered "committed" again (G3); the gauge went down once per
+    answer, so two retries hid another caller's live ticket (found by review)."""
+    clock = FakeClock()
+    fence = EffectFence(FenceConfig(lease_ttl=5.0, clock=clock, auto_sweep=False))
+    metrics = Metrics()
+    async with connect(build_server(fence, metrics=metrics)) as client:
+        one = ok(await prepare(client, intent="charge:1"))["prepared"]
+        ok(await prepare(client, intent="charge:2"))
+        assert metrics.in_flight == 2
+        for _ in range(3):  # the first commit, then two retries of it
+            ok(await client.call_tool("fence_commit", {"prepared": one, "result": 1}))
+        assert metrics.calls[("fence_commit", "committed")] == 3
+        assert metrics.in_flight == 1, "charge:2 is still held"
+        clock.advance(6)  # charge:2's lease lapses; a takeover replaces its ticket
+        taken = ok(await prepare(client, intent="charge:2", agent="b"))["prepared"]
+        assert metrics.in_flight == 1
+        ok(await client.call_tool("fence_release", {"prepared": taken}))
+        assert metrics.in_flight == 0
+
+
 async def test_a_ticket_replayed_after_a_takeover_is_refused_lease_lost() -> None:
     clock = FakeClock()
     fence = EffectFence(FenceConfig(lease_ttl=5.0, clock=clock, auto_sweep=False))
