@@ -843,6 +843,65 @@ async def test_healthz_is_not_ok_once_the_mcp_apps_lifespan_has_ended() -> None:
         assert r.status_code == 503 and r.json()["error"] == "unavailable"
 
 
+async def test_a_call_in_progress_when_the_server_is_told_to_stop_gets_its_answer() -> None:
+    """SIGTERM lets uvicorn finish the requests in progress, but each call's answer went on
+    an SSE stream, which sse-starlette ends the moment the server is told to stop: the
+    caller got "stream ended without a response" for a ticket the fence had handed out
+    (found by review). Answers are plain JSON now, and finish."""
+    import threading
+
+    import uvicorn
+    from sse_starlette.sse import AppStatus
+
+    fence = EffectFence.from_url(f"sqlite:///{sqlite_path().lstrip('/')}")
+    entered, go = threading.Event(), threading.Event()
+    request = fence.request
+
+    def parked(*a: Any, **kw: Any) -> Any:  # the step waits in its thread until told
+        entered.set()
+        go.wait(TIMEOUT)
+        return request(*a, **kw)
+
+    fence.request = parked  # type: ignore[method-assign]
+    app = build_app(build_server(fence), fence, Metrics(), host="127.0.0.1", principals=None)
+    sock = listen_socket("127.0.0.1", 0)
+    config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on")
+    srv = uvicorn.Server(config)
+    got: list[Any] = []
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(srv.serve, [sock])
+            with anyio.fail_after(TIMEOUT):
+                while not srv.started:
+                    await anyio.sleep(0.01)
+            url = f"http://127.0.0.1:{sock.getsockname()[1]}/mcp"
+            async with http_session(url) as session:
+
+                async def call() -> None:
+                    try:
+                        got.append(await session.call_tool("fence_prepare", req("drain:1")))
+                    except Exception as exc:  # the failure under test: kept, then asserted
+                        got.append(exc)
+
+                async with anyio.create_task_group() as calls:
+                    calls.start_soon(call)
+                    with anyio.fail_after(TIMEOUT):
+                        while not entered.is_set():
+                            await anyio.sleep(0.01)
+                    # what SIGTERM does, without the signal uvicorn would raise again in
+                    # this process on its way out: uvicorn's flag, and sse-starlette's
+                    # (its patched handle_exit sets it; it is process-wide: reset below)
+                    srv.should_exit = True
+                    AppStatus.should_exit = True
+                    go.set()
+    finally:
+        AppStatus.should_exit = False
+        go.set()
+        fence.close()
+    assert len(got) == 1 and isinstance(got[0], CallToolResult), got
+    assert ok(got[0])["status"] == "fresh"
+
+
 class _SizeOutageStore(MemoryStore):
     """A memory store whose size() raises StoreUnavailable while ``down``."""
 

@@ -88,6 +88,9 @@ DEFAULT_HOST = "127.0.0.1"
 #: a plain token shorter than this is refused: it could be guessed
 MIN_TOKEN_LENGTH = 16
 HEALTH_TIMEOUT = 5.0
+#: seconds calls in progress get to finish once the server is told to stop (SIGTERM, ^C):
+#: as long as a store step waits for a lock (SQLite's busy_timeout is 10 s)
+GRACEFUL_SHUTDOWN = 10
 _PRINCIPAL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@:+-]{0,127}")
 _TOKEN = re.compile(r"[\x21-\x7e]+")  # visible ASCII, as a header value carries it
 _HASHED = re.compile(r"sha256:([0-9a-f]{64})")
@@ -534,8 +537,15 @@ def build_app(
     check_exposure(host, principals)
     allowed_hosts = tuple(allowed_hosts)
     security = security_settings(host, allowed_hosts)
+    # JSON answers, not an SSE stream per call: the fence's tools send nothing before their
+    # answer, and sse-starlette ends every open stream the moment the server is told to
+    # stop, so a SIGTERM (a deploy, a restart) cut calls in progress that uvicorn's graceful
+    # shutdown would have let finish (found by review: a fresh ticket answered to nobody)
     app = server.streamable_http_app(
-        streamable_http_path=MCP_PATH, transport_security=security, host=host
+        streamable_http_path=MCP_PATH,
+        transport_security=security,
+        host=host,
+        json_response=True,
     )
     return _Gate(
         app,
@@ -639,7 +649,7 @@ async def serve_http(
         access_log=False,
         lifespan="on",
         server_header=False,
-        timeout_graceful_shutdown=3,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN,
     )
     sampler = None
     if console is not None:
