@@ -13,6 +13,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -900,6 +901,59 @@ async def test_a_call_in_progress_when_the_server_is_told_to_stop_gets_its_answe
         fence.close()
     assert len(got) == 1 and isinstance(got[0], CallToolResult), got
     assert ok(got[0])["status"] == "fresh"
+
+
+class _ProbedStore(MemoryStore):
+    """Counts /healthz's probes; a probe waits for ``gate`` (in its thread), and raises
+    StoreUnavailable while ``down``."""
+
+    name = "probed"  # not "memory": the probe runs on a thread, as for a real store
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.probes = 0
+        self.gate = threading.Event()
+        self.down = False
+
+    def read(self, intent: str) -> Any:
+        if intent == "effectfence:healthz":
+            self.probes += 1
+            self.gate.wait(TIMEOUT)
+            if self.down:
+                raise StoreUnavailable("the test store is down; nothing was decided")
+        return super().read(intent)
+
+
+async def test_a_flood_of_healthz_requests_costs_the_store_one_probe() -> None:
+    """/healthz answers anyone, and each request was a thread and a store round trip: a
+    flood of them loaded the store and filled the thread pool (found by review)."""
+    store = _ProbedStore()
+    fence = EffectFence(store=store)
+    app = build_app(build_server(fence), fence, Metrics(), host="127.0.0.1", principals=None)
+    now = [1000.0]
+    app.clock = lambda: now[0]  # type: ignore[attr-defined]
+    async with _in_process(app) as base, httpx.AsyncClient(timeout=TIMEOUT) as http:
+        answers: list[httpx.Response] = []
+
+        async def health() -> None:
+            answers.append(await http.get(base + "/healthz"))
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(20):
+                tg.start_soon(health)
+            with anyio.fail_after(TIMEOUT):
+                while store.probes == 0:
+                    await anyio.sleep(0.01)
+            store.gate.set()  # the others share its answer, or reuse it: either way, no probe
+        assert [r.status_code for r in answers] == [200] * 20
+        assert store.probes == 1, "one probe for every request that came while it ran"
+        assert (await http.get(base + "/healthz")).status_code == 200
+        assert store.probes == 1, "reused while fresh"
+        now[0] += 1.0
+        store.down = True
+        down = await http.get(base + "/healthz")
+        assert down.status_code == 503 and down.json()["error"] == "StoreUnavailable"
+        assert store.probes == 2, "probed again once stale"
 
 
 class _SizeOutageStore(MemoryStore):

@@ -46,7 +46,8 @@ import signal
 import socket
 import stat
 import sys
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -88,6 +89,8 @@ DEFAULT_HOST = "127.0.0.1"
 #: a plain token shorter than this is refused: it could be guessed
 MIN_TOKEN_LENGTH = 16
 HEALTH_TIMEOUT = 5.0
+#: seconds a /healthz probe of the store is reused for
+HEALTH_FRESH = 1.0
 #: seconds calls in progress get to finish once the server is told to stop (SIGTERM, ^C):
 #: as long as a store step waits for a lock (SQLite's busy_timeout is 10 s)
 GRACEFUL_SHUTDOWN = 10
@@ -369,6 +372,12 @@ class _Gate:
         #: without it every /mcp request fails, so /healthz must not say ok
         self.serving = False
         self._users: dict[str, AuthenticatedUser] = {}
+        #: /healthz answers anyone: one store probe at a time, its answer shared with every
+        #: request that came meanwhile and reused for HEALTH_FRESH seconds, so a flood of
+        #: unauthenticated requests costs the store (and the thread pool) next to nothing
+        self.clock: Callable[[], float] = time.monotonic
+        self._probe: tuple[float, str | None] | None = None  # (when, error or None)
+        self._probing: anyio.Event | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -451,14 +460,42 @@ class _Gate:
             self.serving = False
 
     async def _health(self, send: Send) -> None:
-        def probe() -> None:
-            # a query: never creates state, but goes all the way to the store
-            self.fence.intent_status("effectfence:healthz")
-
         if not self.serving:
             body = {"ok": False, "store": self.fence.store.name, "error": "mcp_not_serving"}
             await _respond(send, 503, _json(body))
             return
+        error = await self._probed()
+        if error is not None:
+            body = {"ok": False, "store": self.fence.store.name, "error": error}
+            await _respond(send, 503, _json(body))
+            return
+        await _respond(send, 200, _json({"ok": True, "store": self.fence.store.name}))
+
+    async def _probed(self) -> str | None:
+        """The store's health: None, or the name of what failed. A probe of the last
+        HEALTH_FRESH seconds is reused; one in progress is waited for, never doubled."""
+        while True:
+            kept = self._probe
+            if kept is not None and self.clock() - kept[0] < HEALTH_FRESH:
+                return kept[1]
+            running = self._probing
+            if running is None:
+                break
+            await running.wait()  # then read what it found (or probe, if it was cancelled)
+        self._probing = done = anyio.Event()
+        try:
+            error = await self._probe_store()
+            self._probe = (self.clock(), error)
+            return error
+        finally:
+            self._probing = None
+            done.set()
+
+    async def _probe_store(self) -> str | None:
+        def probe() -> None:
+            # a query: never creates state, but goes all the way to the store
+            self.fence.intent_status("effectfence:healthz")
+
         try:
             with anyio.fail_after(HEALTH_TIMEOUT):
                 if self.offload:
@@ -466,10 +503,8 @@ class _Gate:
                 else:
                     probe()
         except Exception as exc:  # any failure means: not healthy
-            body = {"ok": False, "store": self.fence.store.name, "error": type(exc).__name__}
-            await _respond(send, 503, _json(body))
-            return
-        await _respond(send, 200, _json({"ok": True, "store": self.fence.store.name}))
+            return type(exc).__name__
+        return None
 
     async def _console(self, scope: Scope, receive: Receive, send: Send) -> None:
         """One request of the console: its body read (bounded), then ``Console.handle`` in a
