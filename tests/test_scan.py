@@ -433,3 +433,23 @@ def test_odd_files_are_left_out_and_the_scan_still_runs(tmp_path: Path) -> None:
     left_out = {s.path: s.reason for s in report.skipped}
     assert left_out["pay.py"] == "a link out of the scanned tree"  # said, never silent
     assert "pipe.py" in left_out and "loop.py" in left_out
+
+
+def test_files_the_scan_could_not_read_whole_are_listed_with_why(tmp_path: Path) -> None:
+    """A tool module that does not parse (Python 2, a template) or is too large to read
+    was counted, or dropped, without a word (found by review): its tools went unseen."""
+    from effectfence.scan.package import MAX_FILE_BYTES
+
+    tool = 'from mcp.server.fastmcp import FastMCP\nmcp = FastMCP("x")\n'
+    (tmp_path / "server.py").write_text(
+        tool + "@mcp.tool()\ndef charge_card(x):\n    requests.post('u')\n"
+    )
+    (tmp_path / "legacy.py").write_text(tool + "@mcp.tool()\ndef refund(x):\n    print x\n")
+    (tmp_path / "huge.py").write_text(tool + "# " + "x" * MAX_FILE_BYTES + "\n")
+    (tmp_path / "notes.py").write_text("print 'hello'\n")  # no tool in it: not listed
+    report = scan_path(tmp_path)
+    left_out = {s.path: s.reason for s in report.skipped}
+    assert left_out["legacy.py"].startswith("Python that does not parse (line 5:"), left_out
+    assert "larger than 2,000,000 bytes" in left_out["huge.py"]
+    assert "notes.py" not in left_out and "server.py" not in left_out
+    assert [f.tool for f in report.findings] == ["charge_card"]

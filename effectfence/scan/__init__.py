@@ -15,7 +15,7 @@ from pathlib import Path
 from . import golang, python, rust, typescript
 from .evidence import analyze
 from .model import CANNOT_SEE, COULD_FIRE_TWICE, Evidence, Finding, ScanReport, Skipped
-from .package import LANGUAGES, Package
+from .package import LANGUAGES, MAX_FILE_BYTES, Package
 from .source import Source, ToolDecl
 
 __all__ = [
@@ -160,7 +160,9 @@ def scan_path(path: str | Path, *, min_score: int = 1) -> ScanReport:
     files = 0
     for file in paths:
         src = package.load(file)
-        if src is None:
+        if src is None:  # said in the report: a tool module left out is never silent
+            rel = file.name if root.is_file() else file.relative_to(root).as_posix()
+            skipped.append(Skipped(rel, f"larger than {MAX_FILE_BYTES:,} bytes, or unreadable"))
             continue
         files += 1
         if not any(h in src.text for h in _HINTS):
@@ -170,6 +172,8 @@ def scan_path(path: str | Path, *, min_score: int = 1) -> ScanReport:
             finding = analyze(src, decl, package)
             if finding.score >= min_score:
                 findings.append(finding)
+        if src.unparsed:  # it may declare tools the scan cannot see
+            skipped.append(Skipped(src.rel, src.unparsed))
     findings.sort(key=lambda f: (-f.score, f.file, f.line))
     return ScanReport(
         root=str(root),

@@ -132,7 +132,11 @@ def index(src: Source, root: Path) -> ast.Module | None:
     """Fill ``src.functions``, ``src.constants`` and ``src.imports``; the parsed tree."""
     try:
         tree = ast.parse(src.text)
-    except (SyntaxError, ValueError, RecursionError, MemoryError):  # generated tables
+    except SyntaxError as exc:  # Python 2, a template, a file cut short
+        src.unparsed = f"Python that does not parse (line {exc.lineno}: {exc.msg}); not read"
+        return None
+    except (ValueError, RecursionError, MemoryError) as exc:  # generated tables, NUL bytes
+        src.unparsed = f"Python that cannot be parsed ({type(exc).__name__}); not read"
         return None
     for node in ast.walk(tree):
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):

@@ -68,6 +68,8 @@ class Source:
     # Python names defined in a class body: ``repo.commit()`` may call one of these, but
     # never a same-named nested tool function (the scan cannot know ``repo``'s type)
     methods: set[str] = field(default_factory=set)
+    # why the file could not be parsed ("" when it was): said in the report, never silent
+    unparsed: str = ""
     _newlines: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
