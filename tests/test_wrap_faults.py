@@ -527,3 +527,35 @@ async def test_a_writer_fault_neither_answers_twice_nor_ends_the_relay(
     assert "result" in await h.answer(h.send("ping"))
     assert await h.stop() == 0
     assert h.proxy.closing
+
+
+async def test_a_cancel_handled_with_the_childs_answer_keeps_the_answer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The child answered, and the client's cancel was handled in the same loop turn,
+    before the call's task resumed: the task was cancelled, and an effect whose result had
+    come back was fenced as "nobody knows whether it took effect" (found by review)."""
+    h = Harness(tmp_path, monkeypatch)
+    await h.start()
+    real = h.proxy.on_child_line
+
+    def answer_then_cancel(line: bytes, child: Any = None) -> None:
+        real(line, child)
+        msg = json.loads(line)
+        rid = msg.get("id") if isinstance(msg, dict) else None
+        if isinstance(rid, str) and rid.startswith(h.proxy._own_prefix) and "result" in msg:
+            h.proxy._cancel(7, "user")  # the client's cancel, read in the same turn
+
+    monkeypatch.setattr(h.proxy, "on_child_line", answer_then_cancel)
+    h.raw(
+        b'{"jsonrpc":"2.0","id":7,"method":"tools/call",'
+        b'"params":{"name":"charge","arguments":{"order":7}}}'
+    )
+    async with asyncio.timeout(BOUND):
+        while not h.ledger() or h.proxy.calls:
+            await asyncio.sleep(0.01)
+    again = await h.answer(h.send("tools/call", {"name": "charge", "arguments": {"order": 7}}))
+    assert "isError" not in again["result"], again
+    assert mark(again)["replayed"] is True and text(again) == "charged"
+    assert h.ledger() == [{"order": 7}]
+    assert await h.stop() == 0

@@ -698,6 +698,13 @@ class Proxy:
         if call is None:
             return False
         child = self.child
+        if call.own_id is not None and child is not None:
+            answer = child.pending.get(call.own_id)
+            if answer is not None and answer.done() and not answer.cancelled():
+                # the child answered in this same loop turn: the effect's outcome is known,
+                # and cancelling now would fence it as unknown (found by review). It is
+                # recorded; the answer the client no longer waits for it ignores (MCP).
+                return True
         if call.own_id is not None and child is not None and child.alive:
             note: dict[str, Any] = {"requestId": call.own_id}
             if type(reason) is str:
@@ -726,7 +733,9 @@ class Proxy:
                 # an answer the wrapper records or reads, and writes again
                 msg = _parse(line, exact=True) if _shallow(line) else _UNREADABLE
                 listing = child.listings.pop(rid, None) if child is not None else None
-                fut = child.pending.pop(rid, None) if child is not None else None
+                # left in pending for its requester to take (child_request's finally): a
+                # cancel handled before it resumes must see that the answer is in
+                fut = child.pending.get(rid) if child is not None else None
                 if msg is _UNREADABLE:  # nested past what the exact parser reads
                     why = "the server's answer is nested too deeply to read"
                     if listing is not None:
