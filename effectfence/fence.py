@@ -884,14 +884,12 @@ class EffectFence:
 
     def current(self, domain: str) -> int:
         """The domain's last reserved seq (the floor if it does not exist). Creates nothing."""
-        if type(domain) is not str or not domain or "\x00" in domain:
-            raise InvalidRequest("domain must be a non-empty string without NUL")
+        _check_name("domain", domain)
         return self.store.current(domain)
 
     def evict_domain(self, domain: str) -> int | None:
         """Forget a domain's counter; refused while an attempt is in flight on it (G5)."""
-        if type(domain) is not str or not domain or "\x00" in domain:
-            raise InvalidRequest("domain must be a non-empty string without NUL")
+        _check_name("domain", domain)
         step = self.store.evict_domain(domain)
         if step.outcome is BUSY:
             raise IntentInFlight(
@@ -993,11 +991,15 @@ def _moved(op: str, intent: str) -> LeaseLost:
     return LeaseLost(f"can't {op} {intent!r}: the lease moved", intent=intent)
 
 
-def _check_intent(intent: object) -> None:
+def _check_name(what: str, name: object) -> None:
     """A name a query may look up: a store cannot hold NUL (PostgreSQL's text refuses it),
     so one is refused typed here, not as a driver's error there."""
-    if type(intent) is not str or not intent or "\x00" in intent:
-        raise InvalidRequest("intent must be a non-empty string without NUL")
+    if type(name) is not str or not name or "\x00" in name:
+        raise InvalidRequest(f"{what} must be a non-empty string without NUL")
+
+
+def _check_intent(intent: object) -> None:
+    _check_name("intent", intent)
 
 
 def _stale_commit(
