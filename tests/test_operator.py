@@ -303,31 +303,34 @@ def test_looking_at_a_store_that_is_not_there_creates_none(
     """A mistyped --store was created empty and shown as "no intents" (found by review)."""
     from support import unique_name
 
-    name = unique_name("typo").strip("{}").replace("-", "_").lower()
+    # named so that the exit hook drops it from the shared server, should a failure stop
+    # this test before its own cleanup
+    prefix = {"postgresql": "pgtypo", "redis": "redistypo"}.get(kind, "typo")
+    name = unique_name(prefix)
     url = _store_url(kind, name, tmp_path)
     argv = ["list"] if command == "intents" else ["order:1", "--verify"]
     main = intents.main if command == "intents" else certs.main
-    code = main([*argv, "--store", url])
-    err = capsys.readouterr().err
-    assert code == 1 and "no store" in err, err
-    if kind == "sqlite":
-        assert not (tmp_path / name).exists()
-    elif kind == "postgresql":
-        import psycopg
-        from support import PG_DSN
-
-        with psycopg.connect(PG_DSN) as conn:
-            found = conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", (name,))
-            assert found.fetchone() is None, "the schema was created"
-    else:
-        import redis
-        from support import REDIS_URL
-
-        with redis.Redis.from_url(REDIS_URL) as r:
-            assert r.keys("{" + name + "}*") == []
-    # once something has used it, the same command reads it
-    EffectFence.from_url(url).close()
     try:
+        code = main([*argv, "--store", url])
+        err = capsys.readouterr().err
+        assert code == 1 and "no store" in err, err
+        if kind == "sqlite":
+            assert not (tmp_path / name).exists()
+        elif kind == "postgresql":
+            import psycopg
+            from support import PG_DSN
+
+            with psycopg.connect(PG_DSN) as conn:
+                found = conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", (name,))
+                assert found.fetchone() is None, "the schema was created"
+        else:
+            import redis
+            from support import REDIS_URL
+
+            with redis.Redis.from_url(REDIS_URL) as r:
+                assert r.keys("{" + name + "}*") == []
+        # once something has used it, the same command reads it
+        EffectFence.from_url(url).close()
         assert main([*argv, "--store", url]) in (0, certs.NOT_FOUND)
     finally:
         if kind == "postgresql":
