@@ -777,7 +777,8 @@ class EffectFence:
         self._wake(ticket.intent)
 
     def renew(self, ticket: PreparedEffect, ttl: float | None = None) -> float:
-        """Heartbeat: extend the lease while the token is current; returns the new deadline."""
+        """Heartbeat while the token is current: the lease then ends ``ttl`` (default: the
+        lease TTL) from now on the store's clock, whatever was left; returns the deadline."""
         lease = self._lease_ttl if ttl is None else ttl
         if not (isinstance(lease, int | float) and 0 < lease <= MAX_TTL):
             raise InvalidRequest(f"ttl must be > 0 and <= {MAX_TTL:g} s, got {ttl!r}")

@@ -283,7 +283,8 @@ class RenewInput(_Input):
         gt=0,
         le=30 * 24 * 3600,
         allow_inf_nan=False,
-        description="Optional: new lease length in seconds (default: the server's lease TTL).",
+        description="Optional: the lease ends this many seconds from now (default: the "
+        "server's lease TTL); not added to what is left, so a smaller value shortens it.",
     )
 
 

@@ -192,10 +192,11 @@ are not sure whether it fired, use fence_abort instead: a wrong release lets it 
 store_unavailable -> call fence_release again later (safe to repeat)."""
 
 _RENEW_DESC = """\
-Heartbeat for a long-running real tool: extend your lease (default: the server's lease TTL,
-or `ttl` seconds). Without it, once lease_expires_in passes another attempt may take the
-intent over and your ticket is then refused lease_lost. Refused lease_lost if that already
-happened or the intent finished."""
+Heartbeat for a long-running real tool: your lease then ends `ttl` seconds from now
+(default: the server's lease TTL). It is not added to what is left: a `ttl` shorter than
+lease_expires_in shortens the lease. Without it, once lease_expires_in passes another
+attempt may take the intent over and your ticket is then refused lease_lost. Refused
+lease_lost if that already happened or the intent finished."""
 
 _STATUS_DESC = """\
 Look at one intent without changing anything (never creates it): absent, in_flight (held,
