@@ -43,16 +43,41 @@ def info_main(argv: list[str] | None = None) -> int:
         "--store",
         metavar="URL",
         help="also open this store (memory:, sqlite:///path/fence.db, ...) and print its "
-        "name, location and durability settings",
+        "name, location and durability settings; a store nothing has used yet is reported, "
+        "not created",
+    )
+    parser.add_argument(
+        "--create",
+        action="store_true",
+        help="with --store: create the store if it is not there yet (as serve and wrap do "
+        "on first use), e.g. to see a new Redis server's settings before anything runs",
     )
     args = parser.parse_args(argv)
+    if args.create and args.store is None:
+        parser.error("--create needs --store URL")
     data = {"effectfence": __version__, "python": sys.version.split()[0], **backend_info()}
     if args.store is not None:
         from effectfence.errors import StoreUnavailable
-        from effectfence.store import StoreURLError, open_store, redact
+        from effectfence.store import (
+            StoreMissing,
+            StoreURLError,
+            is_memory_url,
+            open_store,
+            redact,
+        )
 
         try:
-            store = open_store(args.store)
+            # looking creates nothing: a mistyped URL is told so, not made (memory: is
+            # always there, and takes no such option)
+            keep = is_memory_url(args.store) or args.create
+            store = open_store(args.store, **({} if keep else {"create": False}))
+        except StoreMissing as exc:
+            print(
+                f"effectfence info: no store at {redact(args.store)}: {exc} (serve, wrap "
+                "and the library create it on first use; --create creates it now)",
+                file=sys.stderr,
+            )
+            return 1
         except (StoreURLError, StoreUnavailable, ValueError, RuntimeError) as exc:
             print(f"effectfence info: can't open {redact(args.store)}: {exc}", file=sys.stderr)
             return 1

@@ -313,10 +313,10 @@ class EffectFence:
     def from_url(cls, url: str, config: FenceConfig | None = None, **options: Any) -> EffectFence:
         """A fence on the store a URL names: ``memory:``, ``sqlite:///path/fence.db``,
         ``postgresql://...``, ``redis://...`` (see :func:`effectfence.store.open_store`)."""
-        from effectfence.store import open_store
+        from effectfence.store import is_memory_url, open_store
 
         cfg = config or FenceConfig()
-        if url.strip().lower() in ("memory:", "memory://", "memory"):
+        if is_memory_url(url):
             return cls(cfg)
         return cls(cfg, store=open_store(url, **options))
 

@@ -20,6 +20,7 @@ from support import FakeClock, FenceFactory, sqlite_path
 
 from effectfence import EffectFence, EffectRequest, FenceConfig, IntentFailed, IntentInFlight
 from effectfence.errors import CLEAR_COMMAND, InvalidRequest
+from effectfence.cli import info_main
 from effectfence.operator import certs, intents
 from effectfence.operator.trail import check_trail, load_lines
 
@@ -296,7 +297,7 @@ def _store_url(kind: str, name: str, tmp_path: Path) -> str:
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "postgresql", "redis"])
-@pytest.mark.parametrize("command", ["intents", "certs"])
+@pytest.mark.parametrize("command", ["intents", "certs", "info"])
 def test_looking_at_a_store_that_is_not_there_creates_none(
     kind: str, command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -308,8 +309,8 @@ def test_looking_at_a_store_that_is_not_there_creates_none(
     prefix = {"postgresql": "pgtypo", "redis": "redistypo"}.get(kind, "typo")
     name = unique_name(prefix)
     url = _store_url(kind, name, tmp_path)
-    argv = ["list"] if command == "intents" else ["order:1", "--verify"]
-    main = intents.main if command == "intents" else certs.main
+    argv = {"intents": ["list"], "certs": ["order:1", "--verify"], "info": []}[command]
+    main = {"intents": intents.main, "certs": certs.main, "info": info_main}[command]
     try:
         code = main([*argv, "--store", url])
         err = capsys.readouterr().err
@@ -341,6 +342,27 @@ def test_looking_at_a_store_that_is_not_there_creates_none(
             from support import drop_redis_prefix
 
             drop_redis_prefix(name)
+
+
+def test_info_creates_a_store_only_when_asked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``info --store`` reports a store nothing has used yet (exit 1, nothing made);
+    ``--create`` makes it, as serve and wrap would, and then describes it."""
+    path = tmp_path / "new.db"
+    url = f"sqlite:///{str(path).lstrip('/')}"
+    assert info_main(["--store", url]) == 1
+    assert "--create creates it now" in capsys.readouterr().err
+    assert not path.exists()
+    assert info_main(["--store", url, "--create", "--json"]) == 0
+    described = json.loads(capsys.readouterr().out)
+    assert described["store"] == "sqlite" and described["store_synchronous"] == "full"
+    assert path.exists()
+    assert info_main(["--store", url]) == 0  # there now: looking needs no --create
+    with pytest.raises(SystemExit):
+        info_main(["--create"])  # nothing to create
+    assert "--create needs --store" in capsys.readouterr().err
+    assert info_main(["--store", "memory:"]) == 0  # always there: nothing to create
 
 
 def test_looking_at_an_empty_file_leaves_it_empty(tmp_path: Path) -> None:

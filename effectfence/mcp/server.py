@@ -118,7 +118,6 @@ __all__ = [
 
 SERVER_NAME = "effectfence"
 ALLOW_CLEAR_ENV = "EFFECTFENCE_ALLOW_CLEAR"
-_MEMORY_STORES = ("memory", "memory:", "memory://")
 _MAX_REPORTED_ERRORS = 20
 #: the longest a failing idle sweep waits before trying again (seconds)
 SWEEP_BACKOFF_MAX = 30.0

@@ -44,11 +44,11 @@ def open_fence(url: str | None) -> EffectFence:
     fence never sweeps on its own, and opens only a store that is there: looking changes
     nothing, and a mistyped URL is told so, not shown an empty store it just made
     (:class:`~effectfence.store.StoreMissing`)."""
-    from effectfence.store import default_store_url, open_store
+    from effectfence.store import default_store_url, is_memory_url, open_store
 
     target = default_store_url() if url is None else url
     config = FenceConfig(auto_sweep=False)
-    if target.strip().lower() in ("memory:", "memory://", "memory"):
+    if is_memory_url(target):
         return EffectFence(config)
     return EffectFence(config, store=open_store(target, create=False))
 

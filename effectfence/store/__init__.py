@@ -28,6 +28,7 @@ __all__ = [
     "StoreMissing",
     "StoreURLError",
     "default_store_url",
+    "is_memory_url",
     "open_store",
     "redact",
     "state_dir",
@@ -45,6 +46,12 @@ SCHEMES: dict[str, tuple[str, str]] = {
     "redis": ("effectfence.store.redis", "RedisStore"),
     "rediss": ("effectfence.store.redis", "RedisStore"),
 }
+
+
+def is_memory_url(url: str) -> bool:
+    """Whether a URL names the in-process store (``memory:``): nothing to open, create or
+    share, so callers build a plain fence for it."""
+    return url.strip().lower() in ("memory", "memory:", "memory://")
 
 
 class StoreURLError(ValueError):

@@ -65,6 +65,7 @@ from effectfence.errors import InvalidRequest, Refusal
 from effectfence.fence import MAX_CLEAR_TEXT, EffectFence, FenceConfig
 from effectfence.model import EffectRequest, PreparedEffect
 from effectfence.operator.views import clear_view
+from effectfence.store import default_store_url, is_memory_url
 from effectfence.store.memory import MemoryStore
 from effectfence.wrap.policy import Policy, PolicyError, ToolPolicy
 
@@ -101,23 +102,6 @@ _OWN_TOOLS = ("status", "stats", "clear")
 
 def _stderr(text: str) -> None:
     print(f"effectfence wrap: {text}", file=sys.stderr, flush=True)
-
-
-# -- store default ------------------------------------------------------------------------------
-def _default_store_url() -> str:
-    """THE one place the default store is chosen. The SQLite store's
-    ``effectfence.store.default_store_url`` (one file in the user's state directory, so every
-    wrapped server on a host and every restart share one ledger) is used when this build has
-    it; before it merged the default was ``$EFFECTFENCE_STORE`` or ``memory:``."""
-    try:
-        from effectfence.store import default_store_url
-    except ImportError:  # pragma: no cover - builds without the SQLite store
-        return os.environ.get("EFFECTFENCE_STORE") or "memory:"
-    return default_store_url()
-
-
-def _is_memory(url: str) -> bool:
-    return url.strip().lower() in ("memory", "memory:", "memory://")
 
 
 # -- small wire helpers -------------------------------------------------------------------------
@@ -338,7 +322,7 @@ class Proxy:
             ns = f"cmd-{digest}"
         self.namespace = _ascii(ns)
         self.store_url = store_url
-        if _is_memory(store_url):
+        if is_memory_url(store_url):
             self.store: Any = MemoryStore()
         else:
             from effectfence.store import open_store
@@ -1476,7 +1460,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     if args.store is not None and not args.store.strip():
         parser.error("--store is empty: give a store URL, or leave --store out for the default")
-    store_url = args.store or _default_store_url()
+    store_url = args.store or default_store_url()  # as serve's: one ledger per host
 
     async def run() -> int:
         reader, write = await _stdio()
