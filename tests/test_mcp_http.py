@@ -668,6 +668,44 @@ async def test_a_session_is_bound_to_the_principal_that_opened_it(server: HttpSe
         assert r.status_code == 404
 
 
+async def test_an_oversized_body_is_answered_in_json_rpc(server: HttpServer) -> None:
+    """A body over the bound got the SDK's plain-text 413, which no MCP client can read as
+    an error (found by review); declared or sent chunked, it is now a JSON-RPC error, and
+    nothing is decided."""
+    async with (
+        http_session(server.url, TOKENS["alice"]) as alice,
+        httpx.AsyncClient(timeout=TIMEOUT) as http,
+    ):
+        before = await state(alice, "big:1")
+        headers = await _raw_session(http, server.url, TOKENS["alice"])
+        call = {
+            "jsonrpc": "2.0",
+            "id": 9,
+            "method": "tools/call",
+            "params": {"name": "fence_prepare", "arguments": req("big:1")},
+        }
+        call["params"]["arguments"]["args"] = {"pad": "x" * MAX_BODY}
+        body = json.dumps(call).encode()
+
+        async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: chunked
+            for i in range(0, len(body), 256 * 1024):
+                yield body[i : i + 256 * 1024]
+
+        for content in (body, chunks()):
+            r = await http.post(server.url, content=content, headers=headers)
+            assert r.status_code == 413, r.text[:200]
+            assert r.headers["content-type"].startswith("application/json")
+            error = r.json()
+            assert error["jsonrpc"] == "2.0" and error["id"] is None
+            assert error["error"]["code"] == -32600
+            assert f"at most {MAX_BODY} bytes" in error["error"]["message"]
+        assert await state(alice, "big:1") == before
+        # the session goes on: a call of a sane size is answered
+        call["params"]["arguments"]["args"] = {"pad": "x"}
+        r = await http.post(server.url, json=call, headers=headers)
+        assert r.status_code == 200 and '"fresh"' in r.text, r.text[:200]
+
+
 async def test_http_survives_bytes_no_client_would_send(server: HttpServer) -> None:
     """Malformed JSON-RPC, oversized bodies, wrong content types and methods, and a few
     hundred mutations of a real call: each answered (no hang), the server alive, and no

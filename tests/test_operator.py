@@ -19,8 +19,8 @@ import pytest
 from support import FakeClock, FenceFactory, sqlite_path
 
 from effectfence import EffectFence, EffectRequest, FenceConfig, IntentFailed, IntentInFlight
-from effectfence.errors import CLEAR_COMMAND, InvalidRequest
 from effectfence.cli import info_main
+from effectfence.errors import CLEAR_COMMAND, InvalidRequest
 from effectfence.operator import certs, intents
 from effectfence.operator.trail import check_trail, load_lines
 

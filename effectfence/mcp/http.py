@@ -55,7 +55,11 @@ import anyio
 from mcp.server import MCPServer
 from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
 from mcp.server.auth.provider import AccessToken
-from mcp.server.transport_security import TransportSecurityMiddleware, TransportSecuritySettings
+from mcp.server.transport_security import (
+    DEFAULT_MAX_REQUEST_BODY_SIZE,
+    TransportSecurityMiddleware,
+    TransportSecuritySettings,
+)
 from starlette.authentication import AuthCredentials
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -94,6 +98,8 @@ HEALTH_FRESH = 1.0
 #: seconds calls in progress get to finish once the server is told to stop (SIGTERM, ^C):
 #: as long as a store step waits for a lock (SQLite's busy_timeout is 10 s)
 GRACEFUL_SHUTDOWN = 10
+#: the largest MCP request body read (bytes): the SDK's bound, answered here in JSON-RPC
+MAX_MCP_BODY = DEFAULT_MAX_REQUEST_BODY_SIZE
 _PRINCIPAL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@:+-]{0,127}")
 _TOKEN = re.compile(r"[\x21-\x7e]+")  # visible ASCII, as a header value carries it
 _HASHED = re.compile(r"sha256:([0-9a-f]{64})")
@@ -322,6 +328,38 @@ def security_settings(host: str, extra_hosts: Iterable[str] = ()) -> TransportSe
     )
 
 
+#: what a client reads for an oversized body: a JSON-RPC error (no id: the request was
+#: never parsed), where the SDK's bound answers plain text no MCP client can read
+_TOO_LARGE = json.dumps(
+    {
+        "jsonrpc": "2.0",
+        "id": None,
+        "error": {
+            "code": -32600,
+            "message": f"request body too large: this server reads at most {MAX_MCP_BODY} bytes",
+        },
+    }
+).encode()
+
+
+def _json_413(send: Send) -> Send:
+    """``send``, with a 413 the SDK's body bound answers (in plain text) replaced by
+    :data:`_TOO_LARGE`; every other message passes unchanged."""
+    replacing = False
+
+    async def sending(message: Message) -> None:
+        nonlocal replacing
+        if message["type"] == "http.response.start" and message["status"] == 413:
+            replacing = True
+            await _respond(send, 413, _TOO_LARGE)
+            return
+        if replacing:  # the SDK's own body (and any more of it): already sent ours
+            return
+        await send(message)
+
+    return sending
+
+
 async def _respond(
     send: Send,
     status: int,
@@ -435,6 +473,14 @@ class _Gate:
             body = {"error": "unavailable", "message": "the MCP endpoint is not running"}
             await _respond(send, 503, _json(body))
             return
+        if scope["method"] == "POST":
+            declared = dict(scope["headers"]).get(b"content-length", b"")
+            if declared.isdigit():
+                if int(declared) > MAX_MCP_BODY:
+                    await _respond(send, 413, _TOO_LARGE)
+                    return
+            else:  # chunked: the SDK counts as it reads, and answers in plain text
+                send = _json_413(send)
         await self.app(scope, receive, send)
 
     def _user(self, principal: str) -> AuthenticatedUser:
@@ -581,6 +627,7 @@ def build_app(
         transport_security=security,
         host=host,
         json_response=True,
+        max_request_body_size=MAX_MCP_BODY,
     )
     return _Gate(
         app,
