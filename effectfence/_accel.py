@@ -1,7 +1,7 @@
 """The optional CPython accelerators, compiled from csrc/ (each optional, each with an ABI):
 
 - ``effectfence._speedups`` (csrc/effectfence_speedups.c): pure functions only (RFC 8785
-  encoding, the request constructor);
+  encoding, the request constructor, wrap's JSON nesting walk);
 - ``effectfence._certhash`` (csrc/effectfence_certhash.c): the certificate hash, a pure
   function over the first one's encoder and hashlib (used by effectfence.cert.spliced_hash);
 - ``effectfence._memstore`` (csrc/effectfence_memstore.c): the memory store's claim and
@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 #: The ABI of csrc/effectfence_speedups.c this package was written against.
-EXPECTED_ABI: Final = 3
+EXPECTED_ABI: Final = 4
 #: The ABI of csrc/effectfence_certhash.c this package was written against.
 EXPECTED_CERTHASH_ABI: Final = 1
 #: The ABI of csrc/effectfence_memstore.c this package was written against.

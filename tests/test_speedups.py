@@ -292,3 +292,34 @@ def test_deep_input_never_recurses_deep_in_c(monkeypatch: pytest.MonkeyPatch) ->
     finally:
         threading.stack_size(old)
     assert out and out[0].fresh
+
+
+# ------------------------------------------------------------------ wrap's nesting walk
+
+
+@needs_c
+@settings(max_examples=1500)
+@given(
+    st.binary(max_size=80).map(lambda b: bytes(b'[]{}"\\ a'[x % 8] for x in b)), st.integers(0, 6)
+)
+def test_c_nesting_walk_is_the_reference(line: bytes, limit: int) -> None:
+    """Brackets, quotes and escapes in any order (valid JSON or not), walked alike."""
+    from effectfence.wrap.proxy import nesting_over
+
+    assert sp.nesting_over(line, limit) is nesting_over(line, limit)
+
+
+@needs_c
+def test_c_nesting_walk_on_lines_the_wrapper_meets() -> None:
+    from effectfence.wrap.proxy import MAX_DEPTH, _shallow, nesting_over
+
+    table = json.dumps({"rows": [[i, "a]b[", {"k": [i]}] for i in range(2000)]}).encode()
+    deep = b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1)
+    in_text = json.dumps(["[" * 2000, "\\[" * 700, '"{' * 700]).encode()
+    for line, shallow in ((table, True), (deep, False), (in_text, True), (table + deep, False)):
+        assert _shallow(line) is shallow
+        assert sp.nesting_over(line, MAX_DEPTH) is (not shallow) is nesting_over(line, MAX_DEPTH)
+    big = b"[" * (1 << 17) + b"]" * (1 << 17)  # walked without the GIL: same answer
+    assert sp.nesting_over(big, 1 << 17) is False and sp.nesting_over(big, (1 << 17) - 1)
+    with pytest.raises(TypeError):
+        sp.nesting_over("[]", 1)
