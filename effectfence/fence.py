@@ -43,6 +43,7 @@ from effectfence.model import (
     Fresh,
     PreparedEffect,
     Replay,
+    _utf8,
 )
 from effectfence.protocol import (
     TICKET_TABLE,
@@ -993,10 +994,12 @@ def _moved(op: str, intent: str) -> LeaseLost:
 
 
 def _check_name(what: str, name: object) -> None:
-    """A name a query may look up: a store cannot hold NUL (PostgreSQL's text refuses it),
-    so one is refused typed here, not as a driver's error there."""
-    if type(name) is not str or not name or "\x00" in name:
+    """A name a query may look up, held to the rule every request's names are (NUL, a lone
+    surrogate: no store can hold or encode them), so one is refused typed here, not as a
+    driver's error there (a lone surrogate comes from a command line that is not UTF-8)."""
+    if type(name) is not str or not name:
         raise InvalidRequest(f"{what} must be a non-empty string without NUL")
+    _utf8(what, name)
 
 
 def _check_intent(intent: object) -> None:

@@ -32,6 +32,7 @@ from effectfence import (
     EffectRequest,
     FenceConfig,
     IntentInFlight,
+    InvalidRequest,
     LeaseLost,
     Replay,
     StoreUnavailable,
@@ -747,6 +748,60 @@ def test_an_interrupt_as_the_batch_commits_leaves_every_answer_as_it_is(
             assert store.get(f"charge:{i}").state is State.IN_FLIGHT  # type: ignore[union-attr]
     finally:
         store.close()
+
+
+def test_an_interrupt_as_the_leader_hands_its_connection_back_answers_every_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batch committed; a signal lands while the leader gives its connection back to
+    the pool. The other callers were told "did not run; nothing was decided" of claims
+    that had committed (found by review), and the connection leaked."""
+    store = SQLiteStore(str(tmp_path / "group.db"))
+    release, fired = store._release, []
+
+    def interrupted(conn: sqlite3.Connection) -> None:
+        if not fired:
+            fired.append(conn)
+            raise KeyboardInterrupt("a signal after COMMIT returned")
+        release(conn)
+
+    monkeypatch.setattr(store, "_release", interrupted)
+    claims: list[Callable[[], Any]] = [lambda i=i: _claim(store, f"charge:{i}") for i in range(3)]
+    out = _queue_behind_the_lock(store, claims)
+    monkeypatch.setattr(store, "_release", release)
+    try:
+        assert sum(isinstance(o, KeyboardInterrupt) for o in out) == 1, out
+        assert sum(getattr(o, "outcome", None) is APPLIED for o in out) == 2, out
+        for i in range(3):  # all three committed
+            assert store.get(f"charge:{i}").state is State.IN_FLIGHT  # type: ignore[union-attr]
+        assert fired[0] not in store._all and fired[0] not in store._free  # closed, not kept
+    finally:
+        store.close()
+    assert store._all == []
+
+
+def test_a_read_that_raises_gives_its_connection_back(tmp_path: Path) -> None:
+    """A name that does not encode (a lone surrogate: a command line that is not UTF-8)
+    raised UnicodeEncodeError from the driver, and each such read kept a connection open
+    past close() (found by review). It is refused typed before any store sees it, and a
+    read that raises anyway gives its connection back."""
+    store = SQLiteStore(str(tmp_path / "reads.db"))
+    fence = EffectFence(store=store)
+    fence.intent_status("charge:1")
+    before = len(store._all)
+    for call in (
+        lambda: fence.intent_status("charge:\udc80"),
+        lambda: fence.current("order:\udc80"),
+        lambda: fence.clear("charge:\udc80", reason="r", who="w"),
+    ):
+        with pytest.raises(InvalidRequest, match="lone surrogate"):
+            call()
+    for _ in range(5):  # below the fence: the driver's own error, connection returned
+        with pytest.raises(UnicodeEncodeError):
+            store.get("charge:\udc80")
+    assert len(store._all) == before
+    store.close()
+    assert store._all == [] and store._live == []
 
 
 def test_a_leader_that_cannot_get_a_connection_fails_every_step_typed(

@@ -734,6 +734,8 @@ class SQLiteStore(FenceStore):
             if conn not in self._all:
                 return  # closed already
             self._all.remove(conn)
+            if conn in self._free:  # an interrupted hand-back may have pooled it
+                self._free.remove(conn)
         self._close_conn(conn)
 
     def _release(self, conn: sqlite3.Connection) -> None:
@@ -839,15 +841,9 @@ class SQLiteStore(FenceStore):
             if not isinstance(exc, Exception) and sent and conn is not None:
                 committed = not conn.in_transaction  # raised as COMMIT returned, committed
         finally:
-            if conn is not None:
-                if committed:
-                    self._release(conn)
-                else:
-                    try:
-                        self._discard(conn)  # rolled back (or dropped)
-                    except BaseException:
-                        self._drop(conn)  # interrupted: closing rolls back, the lock is let go
-                        raise
+            # every step's answer first: an interrupt while the connection goes back must
+            # not leave a committed step to read "did not run" (found by review). Nobody
+            # reads them before this leader lets go of the write lock.
             interrupted = failure is not None and not isinstance(failure, Exception)
             for i, s in enumerate(steps):
                 out, own = results[i] if i < len(results) else (None, None)
@@ -859,6 +855,15 @@ class SQLiteStore(FenceStore):
                     s.out = None
                     s.error = own or self._unavailable(s.op, failure or "it did not commit")
                 s.done = True
+            if conn is not None:
+                try:
+                    if committed:
+                        self._release(conn)
+                    else:
+                        self._discard(conn)  # rolled back (or dropped)
+                except BaseException:
+                    self._drop(conn)  # interrupted: closing rolls back, the lock is let go
+                    raise
 
     def _header_for(self, steps: list[_Step]) -> bytes | None:
         """Inside the transaction: the header, when the read cache can follow it (a read
@@ -886,9 +891,17 @@ class SQLiteStore(FenceStore):
             raise self._unavailable(op, exc) from exc
         try:
             rows = conn.execute(sql, params).fetchall()
-        except sqlite3.Error as exc:
-            self._discard(conn)
-            raise self._unavailable(op, exc) from exc
+        except BaseException as exc:
+            # any error (a name that does not encode, an interrupt) gives the connection
+            # back rolled back: left out, it stayed open past close() (found by review)
+            try:
+                self._discard(conn)
+            except BaseException:
+                self._drop(conn)
+                raise
+            if isinstance(exc, sqlite3.Error):
+                raise self._unavailable(op, exc) from exc
+            raise
         self._release(conn)
         return rows
 
