@@ -546,6 +546,32 @@ async def test_the_in_flight_gauge_counts_tickets_not_answers() -> None:
         assert metrics.in_flight == 0
 
 
+async def test_the_in_flight_gauge_lets_go_of_a_cleared_ticket() -> None:
+    """A ticket whose record fence_clear removed can never finish, and the gauge counted it
+    for ever (found by review). It ends with the clear; one cleared elsewhere (the console,
+    the library) ends when its holder is refused lease_lost; the lease_lost of a ticket
+    taken over leaves the new holder's counted."""
+    clock = FakeClock()
+    fence = EffectFence(FenceConfig(lease_ttl=5.0, clock=clock, auto_sweep=False))
+    metrics = Metrics()
+    async with connect(build_server(fence, metrics=metrics, allow_clear=True)) as client:
+        ok(await prepare(client, intent="charge:1"))
+        assert metrics.in_flight == 1
+        args = {"intent": "charge:1", "reason": "stuck", "force": True}
+        ok(await client.call_tool("fence_clear", args))
+        assert metrics.in_flight == 0
+        two = ok(await prepare(client, intent="charge:2"))["prepared"]
+        assert fence.clear_intent("charge:2")  # cleared elsewhere
+        assert metrics.in_flight == 1
+        refusal(await client.call_tool("fence_release", {"prepared": two}), "lease_lost")
+        assert metrics.in_flight == 0
+        old = ok(await prepare(client, intent="charge:3"))["prepared"]
+        clock.advance(6)
+        ok(await prepare(client, intent="charge:3", agent="b"))  # takes it over
+        refusal(await client.call_tool("fence_release", {"prepared": old}), "lease_lost")
+        assert metrics.in_flight == 1, "the takeover's ticket is still held"
+
+
 async def test_a_ticket_replayed_after_a_takeover_is_refused_lease_lost() -> None:
     clock = FakeClock()
     fence = EffectFence(FenceConfig(lease_ttl=5.0, clock=clock, auto_sweep=False))

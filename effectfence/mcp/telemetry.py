@@ -149,7 +149,10 @@ def _labels(**labels: str) -> str:
 #: tickets the in-flight gauge tracks at most (abandoned ones that nobody takes over would
 #: otherwise grow it for ever): the oldest is forgotten first
 MAX_HELD = 100_000
-_FINISHED = frozenset(("committed", "aborted", "released"))
+#: what ends a ticket handed out here: finished through here, cleared by fence_clear, or
+#: refused lease_lost (its record was cleared elsewhere, or lapsed and swept: it can never
+#: finish; a takeover already replaced it, see observe)
+_FINISHED = frozenset(("committed", "aborted", "released", "cleared", "lease_lost"))
 
 
 class Metrics:
@@ -253,8 +256,9 @@ class Metrics:
         family(
             "effectfence_in_flight",
             "gauge",
-            "Tickets handed out by this server not yet committed, aborted or released "
-            "through it (a lapsed lease counts until it is taken over; at most "
+            "Tickets handed out by this server not yet committed, aborted, released or "
+            "cleared through it, nor refused lease_lost (a lapsed lease counts until it is "
+            "taken over; at most "
             f"{MAX_HELD:,} are tracked, the oldest forgotten first).",
             [("", self.in_flight)],
         )
