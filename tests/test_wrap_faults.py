@@ -80,7 +80,10 @@ class Harness:
         async with asyncio.timeout(BOUND):
             while True:
                 for line in self.out:
-                    msg = json.loads(line)
+                    try:
+                        msg = json.loads(line)
+                    except ValueError:  # a line relayed as the child wrote it (not UTF-8)
+                        continue
                     if isinstance(msg, dict) and msg.get("id") == rid:
                         return msg  # type: ignore[no-any-return]
                 await asyncio.sleep(0.01)
@@ -559,3 +562,66 @@ async def test_a_cancel_handled_with_the_childs_answer_keeps_the_answer(
     assert mark(again)["replayed"] is True and text(again) == "charged"
     assert h.ledger() == [{"order": 7}]
     assert await h.stop() == 0
+
+
+async def test_an_answer_that_is_not_utf8_is_answered_never_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A child's answer holding a byte that is not UTF-8 (Latin-1 text) was dropped: the
+    request was never answered, and a fenced call's lease was renewed for ever, so every
+    identical call was refused in flight (found by review). A relayed answer now goes on
+    byte for byte; a fenced one ends as "nobody knows" (it ran; its answer cannot be read),
+    and the client is told so."""
+    h = Harness(tmp_path, monkeypatch)
+    await h.start()
+    peek = h.send("tools/call", {"name": "peek", "arguments": {}})  # read-only: relayed
+    async with asyncio.timeout(BOUND):
+        while not any(b"caf\xe9" in line for line in h.out):
+            await asyncio.sleep(0.01)
+    relayed = next(line for line in h.out if b"caf\xe9" in line)
+    assert json.loads(relayed.decode("latin-1"))["id"] == peek  # as it came
+    call = {"name": "charge", "arguments": {"order": 1, "latin1": True}}
+    first = await h.answer(h.send("tools/call", call))
+    assert first["result"]["isError"] is True and "not valid UTF-8" in text(first)
+    assert mark(first)["outcome"] == "unknown"
+    again = await h.answer(h.send("tools/call", call))
+    assert mark(again)["refused"] == "intent_failed"  # fenced, not "still running"
+    assert h.ledger() == [{"order": 1, "latin1": True}]
+    await h.stop()
+
+
+async def test_a_result_nested_past_the_fences_default_depth_is_recorded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A result 40 lists deep (a tree, a parsed document) ran and came back, then was
+    fenced as if nobody knew: wrap judged it recordable by one depth, the commit refused it
+    by another (found by review). It is recorded and replayed."""
+    h = Harness(tmp_path, monkeypatch)
+    await h.start()
+    call = {"name": "charge", "arguments": {"order": 1, "deep": 40}}
+    first = await h.answer(h.send("tools/call", call))
+    assert mark(first).get("recorded", True) is True, mark(first)
+    again = await h.answer(h.send("tools/call", call))
+    assert mark(again)["replayed"] is True, mark(again)
+    assert again["result"]["structuredContent"] == first["result"]["structuredContent"]
+    assert h.ledger() == [{"order": 1, "deep": 40}]
+    await h.stop()
+
+
+async def test_a_call_with_two_megabytes_of_arguments_runs_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Arguments over the fence's default 1 MiB (a file to write) were refused and never
+    ran, while the same call straight to the server worked (found by review)."""
+    h = Harness(tmp_path, monkeypatch)
+    h.reader = asyncio.StreamReader(limit=1 << 26)  # the client's lines, as wrap reads them
+    h.task.cancel()
+    h.task = asyncio.ensure_future(h.proxy.run(h.reader))
+    await h.start()
+    call = {"name": "charge", "arguments": {"order": 1, "note": "x" * (2 << 20)}}
+    first = await h.answer(h.send("tools/call", call))
+    assert "result" in first and not first["result"].get("isError"), str(first)[:300]
+    again = await h.answer(h.send("tools/call", call))
+    assert mark(again)["replayed"] is True
+    assert len(h.ledger()) == 1
+    await h.stop()

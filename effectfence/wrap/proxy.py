@@ -61,6 +61,7 @@ import orjson
 
 from effectfence import _accel
 from effectfence.canonical import CanonicalError, canonical_bytes
+from effectfence.cert import MAX_PAYLOAD_DEPTH
 from effectfence.driver import FencedCall, Offloader, Options, run_async
 from effectfence.errors import InvalidRequest, Refusal
 from effectfence.fence import MAX_CLEAR_TEXT, EffectFence, FenceConfig
@@ -85,8 +86,10 @@ LINE_LIMIT = 1 << 26  # 64 MiB: a resource read can be large; one line is one me
 #: nesting the wrapper reads exactly or writes again (see _shallow); deeper lines it only
 #: relays untouched, or refuses
 MAX_DEPTH = 512
-#: results are recorded up to this size (the fence's default is 1 MiB: too small for tools)
+#: results are recorded, and arguments read, up to this size (the fence's default is 1 MiB:
+#: too small for tools that write files or return tables)
 MAX_RESULT_BYTES = 16 << 20
+MAX_ARGS_BYTES = 16 << 20
 CHILD_EXIT_GRACE = 5.0  # s the child gets to exit after its stdin closes, then SIGTERM
 EXIT_DRAIN = 0.5  # s to read what an exited child wrote before it exited
 EXIT_POLL = 0.1  # s between looks at whether the child exited (see _exit_code)
@@ -183,6 +186,16 @@ def _parse(line: bytes, *, exact: bool = False) -> Any:
     try:
         return json.loads(line)
     except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested past the limit
+        return _UNREADABLE
+
+
+def _lenient(line: bytes) -> Any:
+    """A line that :func:`_parse` cannot read, read with every byte that is not UTF-8 taken
+    for U+FFFD: enough to learn a message's id and kind. Never recorded or written again
+    (the bytes it stands for are lost); :data:`_UNREADABLE` if it is not JSON even so."""
+    try:
+        return json.loads(line.decode("utf-8", "replace"))
+    except (ValueError, RecursionError):
         return _UNREADABLE
 
 
@@ -374,8 +387,14 @@ class Proxy:
         key = (tp.lease_ttl, tp.result_ttl)
         fence = self._fences.get(key)
         if fence is None:
+            # every line the wrapper reads exactly nests at most MAX_DEPTH deep, so a fenced
+            # call's arguments and its recorded result fit what a certificate holds
             cfg = FenceConfig(
-                lease_ttl=tp.lease_ttl, result_ttl=tp.result_ttl, max_result_bytes=MAX_RESULT_BYTES
+                lease_ttl=tp.lease_ttl,
+                result_ttl=tp.result_ttl,
+                max_args_bytes=MAX_ARGS_BYTES,
+                max_result_bytes=MAX_RESULT_BYTES,
+                max_depth=min(MAX_DEPTH, MAX_PAYLOAD_DEPTH),
             )
             fence = self._fences[key] = EffectFence(cfg, store=self.store)
         return fence
@@ -726,20 +745,33 @@ class Proxy:
         if child is None:
             child = self.child
         msg = _parse(line)
-        if msg is _UNREADABLE:
-            _stderr("the server wrote a line that is not JSON to stdout; dropped it")
-            return
+        garbled = msg is _UNREADABLE
+        if garbled:
+            # not UTF-8 (text in a legacy encoding), or not JSON: read leniently to learn
+            # whose it is. Dropped, an answer left its request unanswered, and a fenced
+            # call's lease renewed for ever (found by review)
+            msg = _lenient(line)
+            if msg is _UNREADABLE:
+                _stderr("the server wrote a line that is not JSON to stdout; dropped it")
+                return
         if isinstance(msg, dict) and "method" not in msg:
             rid = msg.get("id")
             if type(rid) is str and rid.startswith(self._own_prefix):
                 # an answer the wrapper records or reads, and writes again
-                msg = _parse(line, exact=True) if _shallow(line) else _UNREADABLE
+                if garbled:
+                    msg = _UNREADABLE
+                else:
+                    msg = _parse(line, exact=True) if _shallow(line) else _UNREADABLE
                 listing = child.listings.pop(rid, None) if child is not None else None
                 # left in pending for its requester to take (child_request's finally): a
                 # cancel handled before it resumes must see that the answer is in
                 fut = child.pending.get(rid) if child is not None else None
-                if msg is _UNREADABLE:  # nested past what the exact parser reads
-                    why = "the server's answer is nested too deeply to read"
+                if msg is _UNREADABLE:  # not UTF-8, or nested past what the parser reads
+                    why = (
+                        "the server's answer is not valid UTF-8 JSON"
+                        if garbled
+                        else "the server's answer is nested too deeply to read"
+                    )
                     if listing is not None:
                         self._client_error(listing[0], -32603, f"effectfence wrap: {why}")
                     elif fut is not None and not fut.done():
@@ -755,7 +787,9 @@ class Proxy:
                 child.relayed.discard(rid)
         elif isinstance(msg, dict) and msg.get("method") == "notifications/tools/list_changed":
             self.tools_known = False  # annotations may have changed: learn them again
-        self.write_client(line)
+        if garbled:
+            _stderr("the server wrote a line that is not valid UTF-8; relayed it as it came")
+        self.write_client(line)  # byte for byte: a lenient client may read it
 
     def _client_error(self, cid: Any, code: int, message: str) -> None:
         self.write_client(
@@ -1041,7 +1075,7 @@ class Proxy:
                 raise ChildError(resp)
             if not isinstance(result, dict):
                 raise ChildGone("the server's answer was not a tool result")
-            return _record(_era_neutral(result))
+            return _record(_era_neutral(result), fence.config)
 
         options = Options(
             wait=True,
@@ -1357,14 +1391,17 @@ class Proxy:
         self.offloader.close()
 
 
-def _record(result: dict[str, Any]) -> dict[str, Any]:
+def _record(result: dict[str, Any], cfg: FenceConfig) -> dict[str, Any]:
     """What the fence records of a tool's result: the result, or, where it holds what a
     certificate's canonical JSON cannot (an integer past 2**53, as database ids and
-    snowflake ids are; NaN; a lone surrogate), its JSON text, replayed exactly. The call
-    ran: its result must not go unrecorded for the way its numbers are written."""
+    snowflake ids are; NaN; a lone surrogate; nesting past the fence's depth), its JSON
+    text, replayed exactly. The call ran: its result must not go unrecorded for the way its
+    numbers are written. Judged by the limits the commit will apply (``cfg``): judged by
+    others, a result nested past the commit's depth ran, came back, and was fenced as if
+    nobody knew (found by review)."""
     record = {"result": result, "completed_at": _now_iso()}
     try:
-        canonical_bytes(record)
+        canonical_bytes(record, max_depth=cfg.max_depth, max_bytes=cfg.max_result_bytes)
     except CanonicalError:
         text = json.dumps(result, separators=(",", ":"))  # ASCII: lone surrogates escaped
         return {"result_json": text, "completed_at": record["completed_at"]}
