@@ -24,18 +24,29 @@ domain:
 Across domains, effects are ordered only through what callers pass as ``known_clock``; a
 caller that withholds what it knew makes its effect look concurrent with what it saw.
 
+Bounded: a ticket's clock carries at most :data:`MAX_TICKET_AGENTS` agents. A domain whose
+history names more (each request may add up to 256 through ``known_clock``) has the agents
+with the fewest events left out of its tickets, as version-vector pruning does: the orders
+above then hold for the agents kept. Unbounded, a head grown by a few dozen commits made
+every later ticket on the domain too large to hand out, for every caller, for good.
+
 Clocks are immutable: every operation returns a new clock, so a clock inside a certificate
 can never change under it. Zero entries are dropped, so equal clocks have one canonical form.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from effectfence.canonical import MAX_SAFE_INTEGER, sha256_hex
 
-__all__ = ["VectorClock", "merge_counts", "ticket_counts"]
+__all__ = ["MAX_TICKET_AGENTS", "VectorClock", "merge_counts", "ticket_counts"]
+
+#: the most agents a ticket's clock carries (see the module's "Bounded"): at the longest
+#: names (512 characters) a clock of ~0.5 MiB, so a ticket stays within what one may carry
+MAX_TICKET_AGENTS = 1024
 
 
 class VectorClock(Mapping[str, int]):
@@ -145,7 +156,13 @@ def ticket_counts(
     head: Mapping[str, int], known: Mapping[str, int] | None, agent: str
 ) -> dict[str, int]:
     """A ticket's clock: the domain head's clock merged with what the caller knew, ticked at
-    the agent. Effects committed on a domain before a claim are therefore behind it."""
+    the agent. Effects committed on a domain before a claim are therefore behind it. At
+    most :data:`MAX_TICKET_AGENTS` agents: the agent's own entry, then the others with the
+    most events (ties: the smaller name), the rest left out (see the module's "Bounded")."""
     c = merge_counts(head, known) if known else dict(head)
-    c[agent] = c.get(agent, 0) + 1
+    own = c[agent] = c.get(agent, 0) + 1
+    if len(c) > MAX_TICKET_AGENTS:
+        kept = heapq.nsmallest(MAX_TICKET_AGENTS - 1, ((-n, a) for a, n in c.items() if a != agent))
+        c = {a: -negative for negative, a in kept}
+        c[agent] = own
     return c

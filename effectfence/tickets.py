@@ -76,8 +76,8 @@ class TicketSigner:
         if len(wire) > _MAX_WIRE:
             raise InvalidRequest(
                 f"the ticket for {ticket.intent!r} would be {len(wire)} bytes, over the "
-                f"{_MAX_WIRE} a ticket may carry: send fewer read-set entries or a smaller "
-                "known_clock",
+                f"{_MAX_WIRE} a ticket may carry: send smaller args, fewer read-set entries or a "
+                "smaller known_clock",
                 intent=ticket.intent,
             )
         return wire

@@ -197,3 +197,41 @@ def test_a_certificate_holding_an_integral_float_past_2_53_verifies_everywhere(x
     stored = cert_from_json(cert_to_json(cert))
     assert stored == cert and stored.verify() and stored.hash == cert.hash
     assert EffectCert.from_dict(cert.to_dict()).verify()
+
+
+def test_a_tickets_clock_keeps_its_own_agent_and_the_busiest_others() -> None:
+    from effectfence.clock import MAX_TICKET_AGENTS, ticket_counts
+
+    head = {f"agent-{i:05d}": 1 + i % 7 for i in range(3 * MAX_TICKET_AGENTS)}
+    known = {"reader": 99}
+    got = ticket_counts(head, known, "me")
+    assert len(got) == MAX_TICKET_AGENTS and got["me"] == 1 and got["reader"] == 99
+    # the others kept are those with the most events, ties broken by the smaller name
+    others = sorted(((-n, a) for a, n in {**head, **known}.items()))[: MAX_TICKET_AGENTS - 1]
+    assert {a for _, a in others} | {"me"} == set(got)
+    assert ticket_counts(head, known, "me") == got  # the same clock, wherever it is made
+    small = {"a": 3, "b": 1}
+    assert ticket_counts(small, {"c": 2}, "b") == {"a": 3, "b": 2, "c": 2}  # nothing left out
+
+
+def test_no_domain_history_makes_its_tickets_too_large_to_hand_out() -> None:
+    """Found by review: each commit's known_clock (up to 256 agents of 512 characters) grew
+    the domain's head clock, and after ~40 commits every ticket on the domain was over the
+    4 MiB a sealed ticket may carry: every later prepare, by anyone, was refused (after
+    reserving a seq) for good. Tickets now carry a bounded clock."""
+    from effectfence.clock import MAX_TICKET_AGENTS
+    from effectfence.tickets import TicketSigner
+
+    fence = EffectFence()
+    signer = TicketSigner(b"k" * 32)
+    for c in range(40):
+        known = {f"{c:02d}-{i:03d}-" + "k" * 500: 1 for i in range(256)}
+        adm = fence.prepare(
+            EffectRequest(f"poison:{c}", "order:1", "t", {}, "mallory", known_clock=known)
+        )
+        signer.seal(adm.ticket)
+        fence.commit(adm.ticket, 1)
+    adm = fence.prepare(EffectRequest("innocent:1", "order:1", "t", {"n": 1}, "bob"))
+    assert adm.fresh and len(adm.ticket.vector_clock) == MAX_TICKET_AGENTS
+    assert len(signer.seal(adm.ticket)) < 2 << 20  # well within the 4 MiB
+    assert fence.commit(adm.ticket, 1).vector_clock["bob"] == 1
