@@ -1630,6 +1630,39 @@ def _kept_shm_fd(path: str) -> int:
     return kept if isinstance(kept, int) else int(kept[0])
 
 
+def _close_keeping_its_shm_fd(store: SQLiteStore) -> int:
+    """Close ``store`` while another connection still uses the file, so its -shm descriptor
+    stays kept (see _forget_shm), then let that connection go: the kept number now names a
+    file SQLite deleted, as after any close while another process used the store."""
+    holder = sqlite3.connect(store.path)
+    holder.execute("SELECT 1 FROM fence").fetchall()  # maps the WAL: the -shm stays
+    store.close()
+    kept = _kept_shm_fd(store.path)
+    holder.close()
+    return kept
+
+
+def test_closed_stores_keep_no_descriptor_of_a_file_nobody_uses(tmp_path: Path) -> None:
+    """Each store file a process had read kept a -shm descriptor open for ever after its
+    store closed: a process opening and closing stores on many files ran out of them
+    (found by review). Closed once SQLite deleted the file; kept while it is in use."""
+    from effectfence.store import sqlite as module
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    before = fds()
+    for i in range(50):
+        store = SQLiteStore(str(tmp_path / f"s{i}.db"))
+        store.read("charge:1")
+        store.close()
+    assert fds() == before
+    assert not any(p.startswith(str(tmp_path)) for p in module._SHM_FDS)
+    used = SQLiteStore(str(tmp_path / "used.db"))
+    used.read("charge:1")
+    assert _close_keeping_its_shm_fd(used) in [int(f) for f in os.listdir("/proc/self/fd")]
+
+
 _OTHER = """
 import sys
 from effectfence import EffectFence, EffectRequest, FenceConfig, Refusal
@@ -1690,8 +1723,7 @@ def test_a_daemonized_child_never_closes_sqlites_descriptor_for_its_parents(
     path = str(tmp_path / "daemon.db")
     store = SQLiteStore(path)
     store.read("charge:warm")  # the read cache opens (and keeps) the -shm descriptor
-    store.close()
-    kept = _kept_shm_fd(path)
+    kept = _close_keeping_its_shm_fd(store)
     r, w = os.pipe()
     assert w != kept
     pid = os.fork()
@@ -1713,8 +1745,7 @@ def test_a_kept_shm_descriptor_closed_behind_the_stores_back_is_never_closed_aga
     path = str(tmp_path / "reused.db")
     store = SQLiteStore(path)
     store.read("charge:warm")
-    store.close()
-    kept = _kept_shm_fd(path)
+    kept = _close_keeping_its_shm_fd(store)
     os.close(kept)
     other = tmp_path / "someone-else"
     other.write_bytes(b"not a -shm file")

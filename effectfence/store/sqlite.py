@@ -222,6 +222,35 @@ def _shm_fd(path: str) -> int:
         return fd
 
 
+def _forget_shm(path: str) -> None:
+    """After a store on ``path`` closed: its kept ``-shm`` descriptor is closed if that file
+    is gone or replaced. SQLite deletes it with the last connection anywhere, so then no
+    lock of anyone's is on it; otherwise it stays (a connection still uses the file). A
+    process opening and closing stores on many files kept one descriptor per file for
+    ever (found by review). The header page stays mapped (a reader may still hold it, as
+    in :func:`_shm_fd`), forgotten."""
+    with _SHM_LOCK:
+        kept = _SHM_FDS.get(path)
+        if kept is None:
+            return
+        fd, dev, ino = kept
+        try:
+            now = os.stat(path + "-shm")
+            if (now.st_dev, now.st_ino) == (dev, ino):
+                return  # still the file SQLite uses
+        except OSError:
+            pass
+        del _SHM_FDS[path]
+        _SHM_PAGES.pop(fd, None)  # the number may be reused
+        try:
+            st = os.fstat(fd)
+            ours = (st.st_dev, st.st_ino) == (dev, ino)
+        except OSError:
+            ours = False
+        if ours:
+            os.close(fd)
+
+
 def _shm_map(fd: int) -> Any:
     """The header of the ``-shm`` file behind ``fd``, mapped (see :data:`_SHM_PAGES`): a
     ctypes array whose slice is the header's bytes. None where it cannot be mapped (then
@@ -1727,7 +1756,7 @@ class SQLiteStore(FenceStore):
         with self._all_lock:
             self._closed = True
             keeper, idle, self._free = self._keeper, self._free, []
-            self._shm, self._keeper = -1, None  # the descriptor stays open: see _SHM_FDS
+            self._shm, self._keeper = -1, None  # its descriptor: see _forget_shm
             self._mapped = None
         if keeper is not None:
             self._drop(keeper)
@@ -1737,3 +1766,4 @@ class SQLiteStore(FenceStore):
             except IndexError:
                 break
             self._drop(conn)
+        _forget_shm(self._real)
