@@ -440,6 +440,144 @@ def test_pg_idle_connections_cut_before_a_step_cost_a_reconnect(pg: Any) -> None
     assert adm.fresh
 
 
+@pytest.mark.parametrize("op", ["abort", "release"])
+def test_pg_a_lost_step_that_applied_meanwhile_is_not_lease_lost(pg: Any, op: str) -> None:
+    """The client's connection broke while its abort still ran on a server that had not
+    noticed (blocked on the intent's row); the store ran the step again, the first run
+    committed first, and the caller was told lease_lost of an abort that applied (found by
+    review)."""
+    import psycopg
+
+    fence = EffectFence(store=pg)
+    ticket = fence.prepare(req()).ticket
+    blocker = psycopg.connect(PG_DSN)  # holds the intent's row
+    blocker.execute(
+        f'SELECT 1 FROM "{pg.schema}".intents WHERE intent = %s FOR UPDATE', ("charge:1",)
+    )
+    real, orphan = pg._execute, []
+
+    def lose_connection(conn: Any, query: Any, params: Any) -> Any:
+        if query is pg._q_finish and not orphan:
+            other = psycopg.connect(PG_DSN, autocommit=True)  # the server runs it on
+            t = threading.Thread(target=lambda: real(other, query, params))
+            t.start()
+            orphan.append((t, other))
+            with _pg_admin() as admin:
+                until(lambda: _blocked_pids(admin, pg.schema, "finish"), "the first run")
+            conn.close()  # the client's side is gone
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return real(conn, query, params)
+
+    pg._execute = lose_connection
+    got: list[Any] = []
+    step = (lambda: fence.abort(ticket, "boom")) if op == "abort" else lambda: fence.release(ticket)
+    worker = threading.Thread(target=lambda: got.append(_catch(step)))
+    try:
+        worker.start()
+        with _pg_admin() as admin:
+            until(lambda: len(_blocked_pids(admin, pg.schema, "finish")) >= 2, "the re-run")
+        blocker.rollback()
+        worker.join(30)
+        orphan[0][0].join(30)
+    finally:
+        pg._execute = real
+        blocker.close()
+        for _, conn in orphan:
+            conn.close()
+    assert got == [None], got
+    rec = pg.get("charge:1")
+    if op == "abort":
+        assert rec is not None and rec.state is State.FAILED and rec.reason == "boom"
+    else:
+        assert rec is None
+
+
+def test_pg_a_process_holding_many_descriptors_keeps_its_connections() -> None:
+    """select() refuses descriptors past 1023, and the hang-up check took its error for a
+    hang-up: a process holding that many (a busy HTTP server) replaced its connection on
+    every step (found by review: 85 connections opened for 20 steps)."""
+    need("pg")
+    import resource
+
+    from effectfence.store.postgres import PostgresStore
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the descriptor limit ({hard}) is below what this test holds")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    schema = unique_name("pgfault")
+    try:
+        store = PostgresStore(PG_DSN, schema=schema, pool_max=2)  # connects past fd 1023
+        fence = EffectFence(store=store)
+        fence.prepare(req("warm"))
+        opened: list[int] = []
+        connect = store._pool._connect
+
+        def counting(*a: Any, **k: Any) -> Any:
+            conn = connect(*a, **k)
+            opened.append(conn.fileno())
+            return conn
+
+        store._pool._connect = counting  # type: ignore[method-assign]
+        for i in range(10):
+            fence.commit(fence.prepare(req(f"many:{i}")).ticket, "ok")
+        assert opened == [], f"{len(opened)} connections opened for 20 steps"
+        store.close()
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        drop_pg_schema(schema)
+
+
+def test_pg_a_dead_connection_of_the_callers_pool_is_store_unavailable() -> None:
+    """A pool passed in is checked connection by connection on first use; a connection the
+    server had dropped made that check raise the driver's own error out of prepare, untyped
+    (found by review). It is store_unavailable, nothing decided, and the next call works."""
+    need("pg")
+    import psycopg_pool
+
+    from effectfence.store.postgres import PostgresStore
+
+    schema = unique_name("pgfault")
+    app = schema + "_pool"
+    pool = psycopg_pool.ConnectionPool(
+        f"{PG_DSN}?application_name={app}",
+        min_size=1,
+        max_size=1,
+        kwargs={"autocommit": True},
+        open=False,
+    )
+    pool.open(wait=True)
+    try:
+        store = PostgresStore(pool=pool, schema=schema)
+        fence = EffectFence(store=store)
+        with pool.connection() as conn:  # a connection the store has not checked yet
+            store._checked.discard(conn)
+        with _pg_admin() as admin:
+            admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE application_name = %s",
+                (app,),
+            )
+            until(
+                lambda: (
+                    not admin.execute(
+                        "SELECT 1 FROM pg_stat_activity WHERE application_name = %s", (app,)
+                    ).fetchall()
+                ),
+                "the backend gone",
+            )
+        with pytest.raises(StoreUnavailable):
+            fence.prepare(req())
+        assert fence.prepare(req()).fresh  # nothing was decided; the pool reconnected
+        store.close()
+    finally:
+        pool.close()
+        drop_pg_schema(schema)
+
+
 def test_pg_a_claim_that_finds_a_record_reads_it_without_a_lock(pg: Any) -> None:
     """PostgreSQL is put-first: prepare claims as if the slot were empty, so every replay
     and every duplicate is a claim that finds a record. Locking that row (FOR UPDATE, as a
