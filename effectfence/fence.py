@@ -8,6 +8,7 @@ the memory store is in-process, and durable stores bring their own drivers.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import threading
@@ -475,7 +476,14 @@ class EffectFence:
             if step.now is not None:  # a put-first claim: what it found, at the store's now
                 rec, now, seen = step.found, step.now, outcome is MOVED
                 if self._auto and now >= self._sweep_due:
-                    self._auto_sweep(now)
+                    if outcome is APPLIED:
+                        # housekeeping must not undo a decision: a failed sweep here said
+                        # "nothing was decided" of a claim that applied, and the intent sat
+                        # in flight under a token nobody held (found by review)
+                        with contextlib.suppress(StoreUnavailable):
+                            self._auto_sweep(now)
+                    else:
+                        self._auto_sweep(now)
             if outcome is APPLIED:
                 return self._admit(request, fp, args_json, step, action is _TAKEOVER)
             if outcome is STALE:

@@ -28,6 +28,7 @@ from support import (
     PG_DSN,
     REDIS_URL,
     REQUIRE_SERVICES,
+    FakeClock,
     drop_pg_schema,
     drop_redis_prefix,
     need,
@@ -762,6 +763,74 @@ def rs() -> Iterator[Any]:
     store.close()
     client.close()
     drop_redis_prefix(prefix)
+
+
+def test_a_failed_sweep_never_undoes_a_claim_that_applied(url: str) -> None:
+    """A put-first store claims, then the fence sweeps (the first prepare always does):
+    a sweep that failed raised "nothing was decided" out of a prepare whose claim had
+    applied, and the intent sat in flight under a token nobody held (found by review). The
+    admission stands; the sweep is tried again later."""
+    fence = EffectFence.from_url(url)
+    assert fence.store.put_first
+    calls: list[int] = []
+
+    def failing(limit: int | None = None) -> int:
+        calls.append(1)
+        raise StoreUnavailable("the sweep's connection broke")
+
+    fence.store.sweep = failing  # type: ignore[method-assign]
+    try:
+        adm = fence.prepare(req())
+        assert adm.fresh and calls == [1]
+        rec = fence.store.get("charge:1")
+        assert rec is not None and rec.token == adm.ticket.token
+        assert fence.commit(adm.ticket, "r").verify()
+    finally:
+        fence.close()
+
+
+def test_redis_an_intent_claimed_again_elsewhere_leaves_no_in_flight_entry(rs: Any) -> None:
+    """A holder died, Redis expired its record's key, and the intent was claimed again on
+    another domain: the sweep found a record under the key, took it for the version its
+    index entry was for, and the old domain's in-flight set kept the intent for ever (G8,
+    found by review)."""
+    clock = FakeClock()
+    store = type(rs)(client=rs._r, prefix=rs.prefix, clock=clock)
+    fence = EffectFence(FenceConfig(lease_ttl=5.0, lapsed_grace=0.0, auto_sweep=False), store=store)
+    fence.prepare(EffectRequest("job:1", "domA", "send", {"n": 1}, "a"))  # its holder dies
+    rs._r.delete(f"{{{rs.prefix}}}:i:job:1")  # what the key's expiry does
+    fence.commit(fence.prepare(EffectRequest("job:1", "domB", "send", {"n": 2}, "b")).ticket, 1)
+    clock.advance(30)  # the domA entry falls due
+    fence.sweep()
+    assert store.in_flight("domA") == 0
+    assert rs._r.smembers(f"{{{rs.prefix}}}:fl:domA") == set()
+
+
+def test_redis_a_lost_step_that_applied_meanwhile_is_not_lease_lost(rs: Any) -> None:
+    """The connection broke and the first run applied after the store looked (a command
+    the server had received, run late): the re-run found the record moved, and the abort
+    that had applied was reported lease_lost."""
+    from effectfence.store import redis as redis_store
+
+    fence = EffectFence(store=rs)
+    ticket = fence.prepare(req()).ticket
+    real, lost = rs._call, []
+
+    def late(op: str, script: Any, keys: Any, args: Any) -> Any:
+        if op == "fail" and not lost:
+            lost.append(op)
+            raise redis_store._Lost("connection reset")  # sent; its reply never came
+        if op == "fail":
+            real(op, script, keys, args)  # the first run, late
+        return real(op, script, keys, args)
+
+    rs._call = late
+    try:
+        fence.abort(ticket, "boom")
+    finally:
+        rs._call = real
+    rec = rs.get("charge:1")
+    assert rec is not None and rec.state is State.FAILED and rec.reason == "boom"
 
 
 def _clients(admin: Any, name: str, cmd: str | None = None) -> list[int]:

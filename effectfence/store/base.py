@@ -33,7 +33,7 @@ import hashlib
 import secrets
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from enum import Enum
 from typing import Any
 
@@ -131,6 +131,17 @@ class Step:
 
     def __repr__(self) -> str:
         return f"Step({self.outcome!r}, record={self.record!r}, found={self.found!r})"
+
+
+def settled(step: Step, applied: Callable[[IntentRecord | None], bool]) -> Step:
+    """A ticket step run again after its connection broke: an answer of MOVED holding what
+    this step writes means the first run applied after all (it was still going on a
+    server that had not noticed the client was gone, and committed before the second
+    looked): APPLIED, as it is. Anything else stands. Found by review: an abort that had
+    applied was reported lease_lost."""
+    if step.outcome is MOVED and applied(step.found):
+        return Step(APPLIED, step.found, None)
+    return step
 
 
 def same_record(a: IntentRecord | None, b: IntentRecord | None) -> bool:

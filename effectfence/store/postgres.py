@@ -79,6 +79,7 @@ from effectfence.store.base import (
     Head,
     Step,
     StoreMissing,
+    settled,
 )
 from effectfence.store.codec import (
     NEVER,
@@ -1364,7 +1365,7 @@ class PostgresStore(FenceStore):
                 except _Lost as lost:
                     raise self._unavailable(op, lost) from exc
                 step = self._finish_step(op, intent, row, params)
-                return _applied_after_all(step, lambda r: r is not None and applied(r))
+                return settled(step, lambda r: r is not None and applied(r))
         return Step(MOVED, found=rec)
 
     def _finish_step(self, op: str, intent: str, row: Sequence[Any], params: Sequence[Any]) -> Step:
@@ -1434,7 +1435,7 @@ class PostgresStore(FenceStore):
                 except _Lost as lost:
                     raise self._unavailable(kind, lost) from exc
                 step = self._finish_step("finish", intent, row, params)
-                return _applied_after_all(step, applied)
+                return settled(step, applied)
             return Step(MOVED, found=rec)
         return self._finish_step("finish", intent, row, params)
 
@@ -1618,16 +1619,6 @@ class PostgresStore(FenceStore):
         listener = getattr(self, "_listener", None)
         if listener is not None:
             listener.join(timeout=2.0)
-
-
-def _applied_after_all(step: Step, applied: Callable[[Any], bool]) -> Step:
-    """A step run again after its connection broke, answered MOVED with what this step
-    writes: the first run was still going on a server that had not noticed the client was
-    gone, and it committed before the second looked (found by review: an abort that
-    applied was reported lease_lost). Then it applied; anything else stands."""
-    if step.outcome is MOVED and applied(step.found):
-        return Step(APPLIED, step.found, None)
-    return step
 
 
 def _hung_up(conn: psycopg.Connection[Any]) -> bool:

@@ -89,6 +89,7 @@ from effectfence.store.base import (
     Head,
     Step,
     StoreMissing,
+    settled,
 )
 from effectfence.store.codec import (
     NEVER,
@@ -421,8 +422,10 @@ for _, m in ipairs(due) do
         if r[2] == 'in_flight' then redis.call('SREM', P .. ':fl:' .. r[3], e[1]) end
         changed(e[1])
         n = n + 1
-    elseif not r[1] then
-        -- gone already (its key expired, or it was cleared): drop its in-flight entry
+    elseif not (r[2] == 'in_flight' and r[3] == e[2]) then
+        -- gone already (its key expired, or it was cleared), or another version not in
+        -- flight on this entry's domain (claimed again once its key expired, perhaps on
+        -- another domain; found by review: the old domain's set kept it for ever)
         redis.call('SREM', P .. ':fl:' .. e[2], e[1])
     end
     redis.call('ZREM', KEYS[1], m)
@@ -1295,9 +1298,10 @@ class RedisStore(FenceStore):
                 return Step(APPLIED, None, None)
             if rec is not None and rec.token == token and rec.state is State.IN_FLIGHT:
                 try:
-                    return run()
+                    step = run()
                 except _Lost as lost:
                     raise self._unavailable(op, lost) from exc
+                return settled(step, lambda r: applied(r) and (r is None or r.token == token))
             return Step(MOVED, found=rec)
 
     def _finish(
