@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -259,6 +260,40 @@ def test_an_intent_name_no_store_can_hold_is_a_400(fence: EffectFence) -> None:
     status, _, body, _ = console.handle("GET", "/api/intent?id=a%00b", host, b"")
     assert status == 400 and json.loads(body)["code"] == "invalid_request"
     assert console.handle("GET", "/intent?id=a%00b", host, b"")[0] == 400
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "x'.length,globalThis.RAN=1,'",  # ends a single-quoted literal
+        'order "42"',
+        "o'brien",
+        "path\\to",
+        "line\u2028sep</script><script>globalThis.RAN=1</script>",
+    ],
+)
+def test_an_intent_name_is_data_in_the_page_never_script(fence: EffectFence, name: str) -> None:
+    """The detail page put its data in JSON.parse('...'): a quote in an intent name (which
+    agents choose) ended the literal and ran as script in the console's origin, so an
+    agent could make the operator's browser force-clear a live lease (found by review);
+    harmless names broke the page. The page's own script, run by node, reads the name
+    back exactly and runs nothing else."""
+    if shutil.which("node") is None:  # the Inspector's tests need it as well
+        (pytest.fail if REQUIRE else pytest.skip)("node is not installed")
+    fence.prepare(EffectRequest(name, "order:1", "charge", {}, "agent-a"))
+    console = Console(fence, who="tester")
+    status, _, page, _ = console.handle(
+        "GET", f"/intent?id={urllib.parse.quote(name, safe='')}", {"Host": "127.0.0.1:1"}, b""
+    )
+    assert status == 200
+    script = page.decode().rsplit("<script>", 1)[1].split("</script>")[0]
+    harness = (
+        "globalThis.document={getElementById(){return null}};"
+        f"{script}\nprocess.stdout.write(JSON.stringify([D.intent, globalThis.RAN||0]));"
+    )
+    out = subprocess.run(["node", "-e", harness], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr[-500:]
+    assert json.loads(out.stdout) == [name, 0]
 
 
 def test_a_look_only_console_refuses_to_clear(fence: EffectFence) -> None:

@@ -457,8 +457,18 @@ def _fmt(key: str, value: Any) -> str:
 
 
 def _script_json(data: str) -> str:
-    """JSON safe inside a <script>: no '</' can close it."""
-    return data.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    """JSON as a JavaScript expression inside a <script>: no '</' can close the element, and
+    no line separator can end a string. Used as an expression, never inside a string
+    literal: an intent name in a quoted JSON.parse('...') ended the literal and ran as
+    script in the console's origin (found by review: an agent's intent name made the
+    operator's browser force-clear a live lease)."""
+    return (
+        data.replace("<", "\\u003c")
+        .replace(">", "\\u003e")
+        .replace("&", "\\u0026")
+        .replace("\u2028", "\\u2028")
+        .replace("\u2029", "\\u2029")
+    )
 
 
 def _intent_rows(rows: list[dict[str, Any]], base: str) -> str:
@@ -552,7 +562,7 @@ refresh();chart();setInterval(refresh,1000);setInterval(chart,2000);
 
 # The detail page: the clear form posts JSON with the CSRF header; the answer is shown.
 _INTENT_JS = r"""
-const D=JSON.parse('__DATA__');
+const D=__DATA__;
 const form=document.getElementById("clear-form");
 if(form)form.addEventListener("submit",async ev=>{
  ev.preventDefault();const out=document.getElementById("result");
