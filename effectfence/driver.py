@@ -166,12 +166,18 @@ def drive(
             raise
         try:
             yield from _again(settle)
-        except StoreUnavailable as lost:
-            # the caller hears its own exception, not "nothing was decided", which would
-            # invite a retry of an effect that may have fired
-            exc.add_note(
-                f"effectfence: intent {ticket.intent!r} could not be {what} ({lost.message}); "
+        except Refusal as refused:
+            # the caller hears its own exception, not "nothing was decided" (which would
+            # invite a retry of an effect that may have fired), nor lease_lost (a retry
+            # took the lapsed lease over: its own error was lost, found by review)
+            then = (
                 "it stays in flight until its lease lapses"
+                if isinstance(refused, StoreUnavailable)
+                else f"refused {refused.code}"
+            )
+            exc.add_note(
+                f"effectfence: intent {ticket.intent!r} could not be {what} "
+                f"({refused.message}); {then}"
             )
         raise
     try:
@@ -180,7 +186,7 @@ def drive(
         # it ran, but its result can't be recorded: fence the intent, say why
         # (a message may quote the value: a NUL in it would make the abort refused too)
         reason = f"result not recordable: {exc.message}"[:1000].replace("\x00", "\\0")
-        with contextlib.suppress(StoreUnavailable):
+        with contextlib.suppress(Refusal):  # taken over meanwhile: the same answer stands
             yield from _again(functools.partial(fence.abort, ticket, reason))
         raise
     except Refusal:

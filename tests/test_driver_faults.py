@@ -251,6 +251,31 @@ def test_an_abort_the_store_refuses_leaves_the_callers_own_error(
     assert "could not be fenced as failed" in notes and "stays in flight" in notes
 
 
+@pytest.mark.parametrize("fired", [True, False])
+def test_a_settle_refused_lease_lost_leaves_the_callers_own_error(fired: bool) -> None:
+    """The function stalled past its lease, a retry took the intent over, then it raised:
+    its abort (or, for a did-not-fire error, its release) is refused lease_lost, and that
+    refusal replaced the caller's own exception (found by review): `except TimeoutError`
+    no longer fired, and a did-not-fire error came back as lease_lost."""
+    from support import FakeClock
+
+    clock = FakeClock()
+    fence = EffectFence(FenceConfig(lease_ttl=10.0, clock=clock, auto_sweep=False))
+
+    def effect(ticket: Any) -> str:
+        clock.advance(11)  # past its lease: an identical call takes the intent over
+        assert fence.prepare(req()).fresh
+        raise (TimeoutError if fired else ConnectionRefusedError)("the gateway")
+
+    options = Options(did_not_fire=() if fired else (ConnectionRefusedError,))
+    with pytest.raises(TimeoutError if fired else ConnectionRefusedError) as caught:
+        run_sync(fence, req(), options, effect)
+    notes = " ".join(getattr(caught.value, "__notes__", []))
+    what = "fenced as failed" if fired else "released"
+    assert f"could not be {what}" in notes and "refused lease_lost" in notes, notes
+    assert fence.intent_status("charge:1").state == "in_flight"  # the new holder's, untouched
+
+
 def test_an_abort_through_a_short_outage_fences_the_intent(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
