@@ -492,13 +492,20 @@ def _happened_before(a: Mapping[str, int], b: Mapping[str, int]) -> bool:
     )
 
 
-def verify_chain(certs: Sequence[EffectCert], *, root: str | None = _FIRST_PARENT) -> ChainReport:
+def verify_chain(
+    certs: Sequence[EffectCert],
+    *,
+    root: str | None = _FIRST_PARENT,
+    outside: Iterable[str] = (),
+) -> ChainReport:
     """Check a domain's certificates, in seq order (the order the fence admitted them).
 
     Fails (``ok`` False, ``broken_at`` the first bad index) when a certificate does not
     verify (an edited field or hash), or when its parent is neither ``root`` (the head the
     chain starts from; by default the first certificate's parent) nor the hash of an
-    earlier certificate of the chain (a broken or forged link).
+    earlier certificate of the chain (a broken or forged link). ``outside``: hashes of
+    certificates before a window of the trail, checked by the caller to be there, that
+    certificates in it may follow too (overlapping attempts across the cut do).
 
     Passes for a line and for the DAG that overlapping attempts make (several certificates
     naming one parent), and reports each overlap in ``concurrent``. An effect committed
@@ -510,7 +517,7 @@ def verify_chain(certs: Sequence[EffectCert], *, root: str | None = _FIRST_PAREN
     n = len(certs)
     if not n:
         return ChainReport(True, 0)
-    known: set[str | None] = {certs[0].parent if root is _FIRST_PARENT else root}
+    known: set[str | None] = {certs[0].parent if root is _FIRST_PARENT else root, *outside}
     clocks: list[dict[str, int]] = []
     unseen: list[int] = []  # earlier certificates that not every later one has seen
     concurrent: list[tuple[int, int]] = []

@@ -23,6 +23,7 @@ from effectfence.cli import info_main
 from effectfence.errors import CLEAR_COMMAND, InvalidRequest
 from effectfence.operator import certs, intents
 from effectfence.operator.trail import check_trail, load_lines
+from effectfence.store import open_store
 
 SECRET = "4111-1111-1111-1111"  # what must never show without --show-payload
 
@@ -479,3 +480,66 @@ def test_commands_as_processes_against_sqlite(tmp_path: Path) -> None:
 @pytest.fixture
 def fence(make_fence: FenceFactory) -> EffectFence:
     return make_fence(lease_ttl=10.0, result_ttl=100.0)
+
+
+def _committed_in_overlap(fence: EffectFence) -> None:
+    """Seqs 1..7 of domain d, 6 and 7 admitted before 5 and 6 committed: 7 follows 5."""
+
+    def prep(n: int) -> Any:
+        return fence.prepare(EffectRequest(f"i{n}", "d", "t", {"n": n}, "a")).ticket
+
+    for n in range(1, 5):
+        fence.commit(prep(n), n)
+    a, b = prep(5), prep(6)  # overlap: both built on seq 4
+    fence.commit(a, 5)
+    c = prep(7)  # its parent is seq 5
+    fence.commit(b, 6)
+    fence.commit(c, 7)
+
+
+def test_verify_after_a_seq_passes_a_sound_trail_whose_attempts_overlap_the_cut(
+    tmp_path: Path,
+) -> None:
+    """certs --verify --after 5 checked seqs 6..7 alone, and seq 7 follows seq 5, before the
+    cut: a sound trail reported BROKEN (found by review). The parents before the cut are
+    looked up in the store; a tampered one still breaks it."""
+    fence = EffectFence(FenceConfig(), store=open_store(f"sqlite:///{sqlite_path().lstrip('/')}"))
+    _committed_in_overlap(fence)
+    out = io.StringIO()
+    assert certs.main(["d", "--verify"], fence=fence, out=out) == 0, out.getvalue()
+    out = io.StringIO()
+    assert certs.main(["d", "--verify", "--after", "5"], fence=fence, out=out) == 0, out.getvalue()
+    out = io.StringIO()  # an export of the same window names where the rest is
+    assert certs.main(["d", "--after", "5", "--show-payload"], fence=fence, out=out) == 0
+    export = tmp_path / "after5.jsonl"
+    export.write_text(out.getvalue())
+    out = io.StringIO()
+    assert certs.main(["--file", str(export), "--verify"], out=out) == 1
+    assert "verify it against the store" in out.getvalue()
+
+
+def test_the_console_checks_the_newest_certificates_of_a_busy_domain(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The intent page checked the domain's OLDEST CHAIN_LIMIT certificates: the newest,
+    the one on the page among them, went unchecked, and a tampered one passed (found by
+    review)."""
+    import sqlite3
+
+    from effectfence.operator import console
+
+    monkeypatch.setattr(console, "CHAIN_LIMIT", 4)
+    path = sqlite_path()
+    fence = EffectFence(FenceConfig(), store=open_store(f"sqlite:///{path.lstrip('/')}"))
+    _committed_in_overlap(fence)  # the window is seqs 4..7; 7 follows 5, 5 and 6 follow 4
+    chain = console.Console(fence, who="ops").api_intent("i7")["chain"]
+    assert chain["ok"] and (chain["first_seq"], chain["last_seq"]) == (4, 7), chain
+    con = sqlite3.connect(path)
+    (raw,) = con.execute("SELECT cert FROM certs WHERE seq = 7").fetchone()
+    body = json.loads(raw)
+    body["result"] = 999
+    con.execute("UPDATE certs SET cert = ? WHERE seq = 7", (json.dumps(body),))
+    con.commit()
+    con.close()
+    chain = console.Console(fence, who="ops").api_intent("i7")["chain"]
+    assert not chain["ok"] and chain["tampered"] == [7], chain

@@ -30,6 +30,7 @@ from effectfence.operator.trail import (
     TrailReport,
     check_trail,
     load_file,
+    outside_parents,
     read_trail,
 )
 from effectfence.operator.views import open_fence
@@ -142,7 +143,9 @@ def main(
     try:
         trail = read_trail(fence.store, args.domain, after_seq=args.after, limit=args.limit)
         if args.verify:
-            report = check_trail(list(trail))
+            window = list(trail)
+            before = outside_parents(fence.store, args.domain, window) if args.after else ()
+            report = check_trail(window, outside=before)
             if report.domain is None:
                 report = TrailReport(True, 0, args.domain)
                 where = "" if args.after == 0 else f" after seq {args.after}"

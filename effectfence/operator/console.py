@@ -52,7 +52,13 @@ from urllib.parse import parse_qs, quote, urlsplit
 
 from effectfence.errors import CLEAR_COMMAND, InvalidRequest, Refusal, StoreUnavailable
 from effectfence.fence import EffectFence
-from effectfence.operator.trail import TrailNotKept, check_trail, read_trail
+from effectfence.operator.trail import (
+    PAGE,
+    TrailNotKept,
+    check_trail,
+    outside_parents,
+    read_trail,
+)
 from effectfence.operator.views import entry_view, intent_view, list_intents, open_fence, whoami
 
 __all__ = [
@@ -325,11 +331,16 @@ class Console:
     def chain(self, domain: str | None) -> dict[str, Any]:
         if domain is None:
             return {"ok": None, "reason": "no domain"}
+        # the newest CHAIN_LIMIT seqs (it read the oldest: a busy domain's recent
+        # certificates, the one on the page among them, went unchecked; found by review),
+        # and what they follow from the PAGE seqs before them (overlapping attempts)
+        start = max(0, self.fence.current(domain) - CHAIN_LIMIT)
         try:
-            certs = list(read_trail(self.fence.store, domain, limit=CHAIN_LIMIT))
+            certs = list(read_trail(self.fence.store, domain, after_seq=start, limit=CHAIN_LIMIT))
+            before = outside_parents(self.fence.store, domain, certs, since=max(0, start - PAGE))
         except TrailNotKept as exc:
             return {"ok": None, "reason": str(exc)}
-        return check_trail(certs).to_dict()
+        return check_trail(certs, outside=before).to_dict()
 
     def api_clear(
         self, headers: dict[str, str], body: bytes, session: tuple[str, str]

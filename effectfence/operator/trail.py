@@ -22,7 +22,14 @@ from effectfence.cert import EffectCert, verify_chain
 from effectfence.errors import InvalidRequest
 from effectfence.store.base import FenceStore
 
-__all__ = ["TrailNotKept", "TrailReport", "check_trail", "load_lines", "read_trail"]
+__all__ = [
+    "TrailNotKept",
+    "TrailReport",
+    "check_trail",
+    "load_lines",
+    "outside_parents",
+    "read_trail",
+]
 
 PAGE = 1000
 
@@ -89,6 +96,32 @@ def read_trail(
             left -= len(got)
 
 
+def outside_parents(
+    store: FenceStore, domain: str, window: list[EffectCert], *, since: int = 0
+) -> set[str]:
+    """The parents certificates of a window of the trail name before it that the store
+    holds, with seq in ``since+1 .. window[0].seq-1``: attempts admitted before the cut
+    and committed after it follow certificates before it, and a check of the window alone
+    called a sound trail broken there (found by review). Read only while some parent is
+    still unaccounted for; a parent the store does not hold stays out (a broken link)."""
+    if not window:
+        return set()
+    inside = {c.hash for c in window} | {window[0].parent}
+    wanted = {c.parent for c in window if c.parent not in inside and c.parent is not None}
+    found: set[str] = set()
+    if not wanted:
+        return found
+    first = window[0].seq
+    for cert in read_trail(store, domain, after_seq=since):
+        if cert.seq >= first:
+            break
+        if cert.hash in wanted:
+            found.add(cert.hash)
+            if found == wanted:
+                break
+    return found
+
+
 def load_lines(lines: Iterable[str]) -> tuple[list[EffectCert], list[int], str]:
     """Certificates from JSON lines (blank lines skipped): (certs, their line numbers, and
     the first unreadable line's complaint, which ends the reading).
@@ -114,8 +147,11 @@ def load_file(path: Path) -> tuple[list[EffectCert], list[int], str]:
         return load_lines(f)
 
 
-def check_trail(certs: list[EffectCert], lines: list[int] | None = None) -> TrailReport:
-    """Check a trail in the order given (it must be seq order)."""
+def check_trail(
+    certs: list[EffectCert], lines: list[int] | None = None, *, outside: Iterable[str] = ()
+) -> TrailReport:
+    """Check a trail in the order given (it must be seq order). ``outside``: certificates
+    before it that it may follow (see :func:`outside_parents`)."""
     n = len(certs)
     if not n:
         return TrailReport(True, 0)
@@ -140,7 +176,7 @@ def check_trail(certs: list[EffectCert], lines: list[int] | None = None) -> Trai
             return broken(i, f"seq {c.seq} belongs to domain {c.domain!r}, not {domain!r}")
         if i and c.seq <= seqs[i - 1]:
             return broken(i, f"seq {c.seq} comes after seq {seqs[i - 1]}: not in seq order")
-    report = verify_chain(certs)
+    report = verify_chain(certs, outside=outside)
     pairs = getattr(report, "concurrent", ())  # reported by the DAG-aware chain check
     found = replace(found, concurrent=[(seqs[i], seqs[j]) for i, j in pairs])
     if report.ok:
@@ -151,8 +187,14 @@ def check_trail(certs: list[EffectCert], lines: list[int] | None = None) -> Trai
         return broken(
             at, f"seq {bad.seq}: its hash does not match its fields (edited or corrupted)"
         )
+    cut = (
+        " or before the first one here: an export made with --after holds only part of the "
+        "trail, verify it against the store"
+        if lines is not None and seqs[0] > 1
+        else ""
+    )
     return broken(
         at,
         f"seq {bad.seq}: its parent {str(bad.parent)[:16]} does not link it to the "
-        "certificates before it (one is missing, replaced or out of place)",
+        f"certificates before it (one is missing, replaced or out of place{cut})",
     )
