@@ -186,6 +186,7 @@ def drive(
         # it ran, but its result can't be recorded: fence the intent, say why
         # (a message may quote the value: a NUL in it would make the abort refused too)
         reason = f"result not recordable: {exc.message}"[:1000].replace("\x00", "\\0")
+        reason = reason.encode("utf-8", "backslashreplace").decode("utf-8")  # lone surrogates
         with contextlib.suppress(Refusal):  # taken over meanwhile: the same answer stands
             yield from _again(functools.partial(fence.abort, ticket, reason))
         raise

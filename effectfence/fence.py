@@ -165,6 +165,13 @@ class FenceConfig:
     counters: str | None = None
 
     def __post_init__(self) -> None:
+        for name in ("max_args_bytes", "max_result_bytes", "max_depth", "sweep_batch"):
+            value = getattr(self, name)
+            if type(value) is not int:  # NaN passed every comparison below (found by review)
+                raise ValueError(f"{name} must be an int, got {value!r}")
+        for name in ("lease_ttl", "result_ttl", "lapsed_grace", "sweep_interval"):
+            if type(getattr(self, name)) is bool:  # True is 1: a one-second lease
+                raise ValueError(f"{name} must be a number of seconds, not a bool")
         if not (isinstance(self.lease_ttl, int | float) and 0 < self.lease_ttl <= MAX_TTL):
             raise ValueError(f"lease_ttl must be > 0 and <= {MAX_TTL:g} s, got {self.lease_ttl!r}")
         if not (
@@ -767,6 +774,14 @@ class EffectFence:
             raise InvalidRequest(
                 "abort reason must be a non-empty string of at most 4096 chars, without NUL"
             )
+        _utf8("abort reason", reason)  # shown to every later caller, and in the audit trail
+        if reason == _STALE_REASON:
+            # reserved for the commit that found its read set moved: a commit after such an
+            # abort was told read_set_stale, a race that never happened (found by review)
+            raise InvalidRequest(
+                f"abort reason {_STALE_REASON!r} is reserved for a commit whose read set "
+                "moved: give another reason"
+            )
         self._check_ticket("abort", ticket)
         step = self._ticket_step(
             self.store.fail, ticket.intent, ticket.token, reason, reclaim_after=self._failed_reclaim
@@ -789,7 +804,7 @@ class EffectFence:
         """Heartbeat while the token is current: the lease then ends ``ttl`` (default: the
         lease TTL) from now on the store's clock, whatever was left; returns the deadline."""
         lease = self._lease_ttl if ttl is None else ttl
-        if not (isinstance(lease, int | float) and 0 < lease <= MAX_TTL):
+        if type(lease) is bool or not (isinstance(lease, int | float) and 0 < lease <= MAX_TTL):
             raise InvalidRequest(f"ttl must be > 0 and <= {MAX_TTL:g} s, got {ttl!r}")
         self._check_ticket("renew", ticket)
         step = self._ticket_step(
@@ -826,6 +841,10 @@ class EffectFence:
             )
         if type(who) is not str or not who.strip() or len(who) > 256:
             raise InvalidRequest("who must be a non-empty string of at most 256 chars")
+        # recorded in the audit trail: text every store and reader holds (a lone surrogate
+        # deleted the record, then failed, and made the trail unreadable; found by review)
+        _utf8("clear reason", reason)
+        _utf8("who", who)
         if type(force) is not bool:
             raise InvalidRequest("force must be True or False", intent=intent)
         store = self.store

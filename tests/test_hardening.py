@@ -734,3 +734,76 @@ def test_c_store_keeps_records_and_certs_out_of_the_cyclic_gc() -> None:
     before = sys.getrefcount(done)
     assert fence.clear("gc:1", reason="test", who="t") is not None
     assert sys.getrefcount(done) == before - 1  # the store let go: refcounting frees it
+
+
+# -- found by review: text the audit trail must hold, reserved reasons, config types -------
+
+
+@pytest.mark.parametrize("counters", ["atomic", "pure"])
+def test_a_reason_that_is_not_unicode_text_changes_nothing_and_keeps_the_trail(
+    counters: str,
+) -> None:
+    """A lone surrogate in a clear's reason deleted the record, then raised an untyped
+    error, and every later audit() raised; in an abort reason it poisoned the next clear
+    of that intent. Both are refused typed, before anything changes."""
+    if counters == "atomic":
+        from effectfence._accel import memstore
+
+        if memstore is None:
+            pytest.skip("the C memory store is not built")
+    fence = make_fence(counters=counters)
+    fence.abort(fence.request("pay:1", "d", "t").ticket, "timeout")
+    before = fence.stats()
+    with pytest.raises(InvalidRequest, match="lone surrogate"):
+        fence.clear("pay:1", reason="operator \udcff note", who="ops")
+    with pytest.raises(InvalidRequest, match="lone surrogate"):
+        fence.clear("pay:1", reason="note", who="ops\udcff")
+    assert fence.intent_status("pay:1").state == "failed" and fence.audit() == []
+    ticket = fence.request("pay:2", "d", "t").ticket
+    with pytest.raises(InvalidRequest, match="lone surrogate"):
+        fence.abort(ticket, "upload of /data/r\udce9sum.pdf failed")
+    assert fence.intent_status("pay:2").state == "in_flight"
+    fence.abort(ticket, "upload failed")
+    assert fence.clear_intent("pay:2") and [e.intent for e in fence.audit()] == ["pay:2"]
+    assert fence.stats()["clears"] == before["clears"] + 1
+
+
+def test_an_audit_entry_that_is_not_unicode_text_is_refused_before_any_store_step() -> None:
+    from effectfence.store.codec import entry_to_json
+
+    assert entry_to_json({"reason": "café", "id": 1}) == '{"reason":"caf\\u00e9"}'
+    with pytest.raises(ValueError, match="lone surrogate"):
+        entry_to_json({"previous": {"failure": "r\udce9sum"}})
+
+
+def test_the_stale_commit_reason_is_reserved() -> None:
+    """A commit after abort(ticket, "read_set_stale") was refused read_set_stale, a race
+    that never happened, instead of lease_lost (the state table's failed row)."""
+    fence = make_fence()
+    ticket = fence.request("job", "d", "t").ticket
+    with pytest.raises(InvalidRequest, match="reserved"):
+        fence.abort(ticket, "read_set_stale")
+    fence.abort(ticket, "read set stale?")
+    with pytest.raises(Refusal) as refused:
+        fence.commit(ticket, {})
+    assert refused.value.code == "lease_lost"
+
+
+@pytest.mark.parametrize(
+    "field", ["max_result_bytes", "max_args_bytes", "max_depth", "sweep_batch"]
+)
+@pytest.mark.parametrize("value", [math.nan, 64.0, True])
+def test_a_config_limit_is_a_whole_number(field: str, value: Any) -> None:
+    """NaN passed every range check: max_result_bytes=nan admitted every effect and refused
+    every commit after it ran; max_depth=nan turned the depth limit off."""
+    with pytest.raises(ValueError, match=field):
+        FenceConfig(**{field: value})
+
+
+@pytest.mark.parametrize("field", ["lease_ttl", "result_ttl", "lapsed_grace", "sweep_interval"])
+def test_a_duration_is_not_a_bool(field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        FenceConfig(**{field: True})
+    fence = make_fence()
+    with pytest.raises(InvalidRequest, match="ttl"):
+        fence.renew(fence.request("r", "d", "t").ticket, True)  # type: ignore[arg-type]

@@ -93,7 +93,12 @@ class CertCache:
 def entry_to_json(entry: Any) -> str:
     """An audit entry as stored: JSON text, without the ``id`` and ``at`` the store adds."""
     body = {k: v for k, v in dict(entry).items() if k not in ("id", "at")}
-    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    try:  # the ASCII form writes a lone surrogate as an escape no strict reader takes
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError("an audit entry must be valid Unicode text (a lone surrogate)") from exc
+    return text
 
 
 def entry_from_json(data: bytes | str, id: int, at: float) -> dict[str, Any]:
