@@ -31,14 +31,14 @@
 #error "effectfence._memstore needs the GIL; the free-threaded build uses the Python store"
 #endif
 
-#define EF_MEMSTORE_ABI 1
+#define EF_MEMSTORE_ABI 2 /* 2: bind() takes EffectCert */
 
 /* Python objects handed over once by bind() (effectfence/store/cmemory.py). */
 static struct {
     PyObject *IntentRecord, *Step, *Head, *EMPTY_HEAD;
     PyObject *APPLIED, *MOVED, *STALE, *RACE;
     PyObject *IN_FLIGHT, *DONE, *FAILED;
-    PyObject *merge_counts, *heappush;
+    PyObject *merge_counts, *heappush, *EffectCert;
     PyObject *zero, *empty; /* 0.0 and "" */
     int bound;
 } K;
@@ -700,8 +700,15 @@ static PyObject *complete_locked(Core *c, Py_ssize_t stripe, PyObject *intent, P
             goto done;
         }
     }
-    untrack_immutable(rec);
-    untrack_immutable(cert);
+    /* only a certificate the fence made (and a record holding only such a one): a cert
+     * of another type may be in a cycle, or be a type whose own dealloc untracks it
+     * unchecked (a function: a crash; found by review) */
+    if (stale != Py_None || Py_IS_TYPE(cert, (PyTypeObject *)K.EffectCert)) {
+        untrack_immutable(rec);
+    }
+    if (stale == Py_None && Py_IS_TYPE(cert, (PyTypeObject *)K.EffectCert)) {
+        untrack_immutable(cert);
+    }
     if (PyDict_SetItem(c->records, intent, rec) < 0 ||
         inflight_add(c, stripe, domain, -1) < 0) { /* one attempt fewer in flight */
         goto done;
@@ -918,16 +925,16 @@ static PyTypeObject CoreType = {
 /* ------------------------------------------------------------------------------- module */
 
 static PyObject *py_bind(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 13) {
+    if (nargs != 14 || !PyType_Check(args[13])) {
         PyErr_SetString(PyExc_TypeError,
                         "bind(IntentRecord, Step, Head, EMPTY_HEAD, APPLIED, MOVED, STALE, RACE, "
-                        "IN_FLIGHT, DONE, FAILED, merge_counts, heappush)");
+                        "IN_FLIGHT, DONE, FAILED, merge_counts, heappush, EffectCert)");
         return NULL;
     }
-    PyObject **dst[13] = {&K.IntentRecord, &K.Step,  &K.Head,      &K.EMPTY_HEAD, &K.APPLIED,
+    PyObject **dst[14] = {&K.IntentRecord, &K.Step,  &K.Head,      &K.EMPTY_HEAD, &K.APPLIED,
                           &K.MOVED,        &K.STALE, &K.RACE,      &K.IN_FLIGHT,  &K.DONE,
-                          &K.FAILED,       &K.merge_counts, &K.heappush};
-    for (int i = 0; i < 13; i++) {
+                          &K.FAILED,       &K.merge_counts, &K.heappush, &K.EffectCert};
+    for (int i = 0; i < 14; i++) {
         Py_XSETREF(*dst[i], Py_NewRef(args[i]));
     }
     K.bound = 1;

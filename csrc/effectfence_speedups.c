@@ -647,8 +647,10 @@ static int plain_name(PyObject *o, Py_ssize_t max_name) {
 static PyObject *ri_vectorcall(RequestInit *ri, PyObject *const *args, size_t nargsf,
                                PyObject *kwnames) {
     Py_ssize_t n = PyVectorcall_NARGS(nargsf); /* self, intent, domain, tool[, args[, agent]] */
+    /* the exact class only: a subclass's __setattr__ or descriptors run in the Python
+     * __init__, which writes through them (found by review) */
     if (n < 4 || n > 6 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames)) ||
-        !PyObject_TypeCheck(args[0], ri->request.type)) {
+        !Py_IS_TYPE(args[0], ri->request.type)) {
         return PyObject_Vectorcall(ri->py_init, args, nargsf, kwnames);
     }
     PyObject *self = args[0];

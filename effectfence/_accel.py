@@ -38,7 +38,7 @@ EXPECTED_ABI: Final = 4
 #: The ABI of csrc/effectfence_certhash.c this package was written against.
 EXPECTED_CERTHASH_ABI: Final = 1
 #: The ABI of csrc/effectfence_memstore.c this package was written against.
-EXPECTED_MEMSTORE_ABI: Final = 1
+EXPECTED_MEMSTORE_ABI: Final = 2
 
 _forced = os.environ.get(ENV_VAR, "").strip().lower()
 

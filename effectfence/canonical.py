@@ -769,10 +769,11 @@ def canonical_bytes(value: object, *, max_depth: int = 64, max_bytes: int | None
     limit = _limit(max_bytes)
     if _c_canonical is not None and type(max_depth) is int:
         data = _c_canonical(value, max_depth, limit)
-        if data is False:
-            raise _over(limit)
-        if data is not None:
+        if data is not None and data is not False:
             return data  # type: ignore[return-value]
+        # None: not sure; False: over the limit, which the C encoder can reach before a
+        # NaN or a depth the Python one names (found by review): the reference decides
+        # and names it, in bounded work
     return _python_bytes(value, max_depth, limit)
 
 
@@ -783,8 +784,8 @@ def fast_bytes(value: object, max_depth: int, *, max_bytes: int | None = None) -
     limit = _limit(max_bytes)
     if _c_canonical is not None and type(max_depth) is int:
         data = _c_canonical(value, max_depth, limit)
-        if data is False:
-            raise _over(limit)
+        if data is False:  # over the limit: the reference names the first fault (see above)
+            return _python_bytes(value, max_depth, limit)
         return data  # type: ignore[return-value]
     snapshot = _fast_snapshot(value, max_depth, limit)
     if snapshot is _NOT_FAST:

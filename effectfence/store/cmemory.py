@@ -20,11 +20,17 @@ from collections.abc import Callable
 from typing import Any
 
 from effectfence import _accel
+from effectfence.cert import EffectCert
 from effectfence.clock import merge_counts
 from effectfence.counters import CounterTable, new_table
 from effectfence.protocol import IntentRecord, State
 from effectfence.store.base import APPLIED, EMPTY_HEAD, MOVED, RACE, STALE, Head, Step
-from effectfence.store.memory import DEFAULT_STRIPES, DEFAULT_WHEEL_GRANULARITY, MemoryStore
+from effectfence.store.memory import (
+    DEFAULT_AUDIT_KEEP,
+    DEFAULT_STRIPES,
+    DEFAULT_WHEEL_GRANULARITY,
+    MemoryStore,
+)
 
 __all__ = ["CMemoryStore", "memory_store", "memory_store_kind"]
 
@@ -50,6 +56,7 @@ if _accel.memstore is not None:
         State.FAILED,
         merge_counts,
         heapq.heappush,
+        EffectCert,
     )
 
 
@@ -67,11 +74,17 @@ class CMemoryStore(_Core, MemoryStore):  # type: ignore[misc]
         counters: CounterTable | None = None,
         stripes: int = DEFAULT_STRIPES,
         granularity: float = DEFAULT_WHEEL_GRANULARITY,
+        audit_keep: int = DEFAULT_AUDIT_KEEP,
     ) -> None:
         if _accel.memstore is None:
             raise RuntimeError(f"the C memory store is {_accel.memstore_error}")
         MemoryStore.__init__(
-            self, clock=clock, counters=counters, stripes=stripes, granularity=granularity
+            self,
+            clock=clock,
+            counters=counters,
+            stripes=stripes,
+            granularity=granularity,
+            audit_keep=audit_keep,
         )
 
 
