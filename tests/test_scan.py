@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -453,3 +454,86 @@ def test_files_the_scan_could_not_read_whole_are_listed_with_why(tmp_path: Path)
     assert "larger than 2,000,000 bytes" in left_out["huge.py"]
     assert "notes.py" not in left_out and "server.py" not in left_out
     assert [f.tool for f in report.findings] == ["charge_card"]
+
+
+# -- found by review: what the walk meets --------------------------------------------------
+
+_FASTMCP_TOOL = (
+    'from mcp.server.fastmcp import FastMCP\nmcp = FastMCP("x")\n'
+    "@mcp.tool()\ndef charge_card(x):\n    requests.post('u')\n"
+)
+
+
+def test_a_folder_the_scan_may_not_enter_is_listed_not_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A folder without search permission made Path.exists raise PermissionError out of the
+    walk (a traceback, exit 1), and os.walk dropped an unreadable folder without a word.
+    (Root reads every folder: the refusal is the one the kernel gives another user.)"""
+    (tmp_path / "server.py").write_text(_FASTMCP_TOOL)
+    private = tmp_path / "private"
+    private.mkdir()
+    (private / "more.py").write_text(_FASTMCP_TOOL.replace("charge_card", "refund"))
+    denied = PermissionError(13, "Permission denied")
+    exists, scandir = Path.exists, os.scandir
+
+    def no_search(self: Path, *a: Any, **k: Any) -> bool:
+        if private in self.parents:
+            raise PermissionError(13, "Permission denied", str(self))
+        return exists(self, *a, **k)
+
+    def no_listing(path: Any = ".") -> Any:
+        if Path(path) == private:
+            denied.filename = str(private)
+            raise denied
+        return scandir(path)
+
+    monkeypatch.setattr(Path, "exists", no_search)
+    monkeypatch.setattr(os, "scandir", no_listing)
+    report = scan_path(tmp_path)
+    assert [f.tool for f in report.findings] == ["charge_card"]
+    reasons = {s.path: s.reason for s in report.skipped}
+    assert reasons["private/"] == "unreadable folder (Permission denied)"
+
+
+_JS_TOOL = (
+    'server.tool("charge_card", "Charge", {}, async () => { await fetch(u, {method: "POST"}) })\n'
+)
+
+
+def test_a_link_to_a_scanned_file_counts_its_tools_once(tmp_path: Path) -> None:
+    (tmp_path / "server.py").write_text(_FASTMCP_TOOL)
+    os.symlink("server.py", tmp_path / "main.py")
+    outside = tmp_path.parent / (tmp_path.name + "-handlers")
+    outside.mkdir()
+    (outside / "h.py").write_text(_FASTMCP_TOOL.replace("charge_card", "refund"))
+    os.symlink(outside, tmp_path / "handlers")
+    report = scan_path(tmp_path)
+    assert [(f.tool, f.file) for f in report.findings] == [("charge_card", "server.py")]
+    reasons = {s.path: s.reason for s in report.skipped}
+    assert reasons["main.py"] == "a link to server.py, scanned under that name"
+    assert reasons["handlers/"] == "a link to a folder: not followed"
+
+
+def test_javascript_without_semicolons_scans_in_linear_time(tmp_path: Path) -> None:
+    """An "import " in a string scanned to the end of the file, once per string: 190 KB
+    of such code took 23 s, a file under the size limit hung the scan."""
+    text = _JS_TOOL
+    text += "".join(f'log("import step {i}")\n' for i in range(20_000))
+    (tmp_path / "server.js").write_text(text)
+    import time
+
+    t0 = time.process_time()
+    report = scan_path(tmp_path)
+    spent = time.process_time() - t0
+    assert [f.tool for f in report.findings] == ["charge_card"]
+    assert spent < 10, f"{spent:.1f} s of CPU for {len(text):,} bytes"  # was minutes
+
+
+def test_a_file_nested_past_the_stack_is_left_out_not_the_scan(tmp_path: Path) -> None:
+    (tmp_path / "server.js").write_text(_JS_TOOL)
+    depth = 3000
+    (tmp_path / "gen.js").write_text("const t = " + "`${" * depth + "x" + "}`" * depth + ";\n")
+    report = scan_path(tmp_path)
+    assert [f.tool for f in report.findings] == ["charge_card"]
+    assert any(s.path == "gen.js" and "nested too deep" in s.reason for s in report.skipped)

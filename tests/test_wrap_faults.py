@@ -625,3 +625,26 @@ async def test_a_call_with_two_megabytes_of_arguments_runs_once(
     assert mark(again)["replayed"] is True
     assert len(h.ledger()) == 1
     await h.stop()
+
+
+async def test_intent_args_that_name_no_argument_of_a_call_refuse_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A misspelt intent_args (orderId for order) made every call one intent: the first
+    ran, every other was refused intent_conflict with no word why (found by review). A
+    call with none of the named arguments is refused, naming them, and nothing runs; an
+    empty intent_args is refused at load."""
+    from effectfence.wrap.policy import PolicyError
+
+    with pytest.raises(PolicyError, match="non-empty"):
+        Policy.from_dict({"tools": {"charge": {"intent_args": []}}})
+    policy = Policy.from_dict({"tools": {"charge": {"intent_args": ["orderId"]}}})
+    h = Harness(tmp_path, monkeypatch, policy=policy)
+    await h.start()
+    for order in (1, 2):
+        got = await h.answer(
+            h.send("tools/call", {"name": "charge", "arguments": {"order": order}})
+        )
+        assert mark(got)["refused"] == "invalid_request" and "orderId" in text(got)
+    assert h.ledger() == []
+    await h.stop()

@@ -67,10 +67,10 @@ def _skipped_file(name: str) -> bool:
 
 def _source_beside(folder: Path) -> str | None:
     """What in ``folder`` shows that a build-output subfolder was built from it."""
-    for marker in _SOURCE_MARKERS:
-        if (folder / marker).exists():
-            return marker
     try:
+        for marker in _SOURCE_MARKERS:
+            if (folder / marker).exists():
+                return marker
         for entry in sorted(folder.iterdir()):
             name = entry.name
             if (
@@ -94,16 +94,29 @@ def walk(root: Path) -> tuple[list[Path], list[Skipped]]:
         return ([root] if root.suffix in LANGUAGES else []), []
     files: list[Path] = []
     skipped: list[Skipped] = []
-    for dirpath, dirnames, filenames in os.walk(root):
+
+    def unreadable(exc: OSError) -> None:  # a folder the scan may not enter: said so
+        where = Path(exc.filename or root)
+        rel = where.relative_to(root).as_posix() + "/" if where != root else "./"
+        skipped.append(Skipped(rel, f"unreadable folder ({exc.strerror or exc})"))
+
+    for dirpath, dirnames, filenames in os.walk(root, onerror=unreadable):
         here = Path(dirpath)
         keep: list[str] = []
         for d in sorted(dirnames):
             rel = (here / d).relative_to(root).as_posix() + "/"
             if d.startswith("."):
                 continue  # .git, editor and tool state: never worth a line in the report
+            if (here / d).is_symlink():  # os.walk does not follow it: said so
+                skipped.append(Skipped(rel, "a link to a folder: not followed"))
+                continue
+            try:
+                venv = (here / d / "pyvenv.cfg").exists()
+            except OSError:  # a folder it may not search (found by review: a traceback)
+                venv = False
             if d in SKIP_DIRS:
                 skipped.append(Skipped(rel, SKIP_DIRS[d]))
-            elif (here / d / "pyvenv.cfg").exists():
+            elif venv:
                 skipped.append(Skipped(rel, "virtualenv"))
             elif d in BUILD_DIRS and (marker := _source_beside(here)):
                 skipped.append(Skipped(rel, f"build output; its source ({marker}) is beside it"))
@@ -158,11 +171,21 @@ def scan_path(path: str | Path, *, min_score: int = 1) -> ScanReport:
     seen = 0
     paths, skipped = walk(root)
     files = 0
-    for file in paths:
+    scanned: dict[Path, str] = {}  # resolved path -> the name it was scanned under
+    for file in sorted(paths, key=lambda p: (p.is_symlink(), p)):  # the file before its links
+        rel = file.name if root.is_file() else file.relative_to(root).as_posix()
+        real = file.resolve()
+        if real in scanned:  # a link to a file scanned already: its tools once, not twice
+            skipped.append(Skipped(rel, f"a link to {scanned[real]}, scanned under that name"))
+            continue
+        scanned[real] = rel
         src = package.load(file)
         if src is None:  # said in the report: a tool module left out is never silent
-            rel = file.name if root.is_file() else file.relative_to(root).as_posix()
-            skipped.append(Skipped(rel, f"larger than {MAX_FILE_BYTES:,} bytes, or unreadable"))
+            skipped.append(
+                Skipped(
+                    rel, f"larger than {MAX_FILE_BYTES:,} bytes, unreadable, or nested too deep"
+                )
+            )
             continue
         files += 1
         if not any(h in src.text for h in _HINTS):

@@ -65,15 +65,20 @@ class Package:
                 rel = path.relative_to(self.root).as_posix()
             except ValueError:
                 rel = path.name
-        src = Source(path=path, rel=rel, language=language, text=text)
-        if language == "python":
-            python.index(src, self.root)
-        elif language == "typescript":
-            typescript.index(src, self.root)
-        elif language == "go":
-            golang.index(src)
-        else:
-            rust.index(src)
+        try:
+            src = Source(path=path, rel=rel, language=language, text=text)
+            if language == "python":
+                python.index(src, self.root)
+            elif language == "typescript":
+                typescript.index(src, self.root)
+            elif language == "go":
+                golang.index(src)
+            else:
+                rust.index(src)
+        except RecursionError:
+            # nested past the stack (generated code, template literals in templates): left
+            # out and said so, where the whole scan died (found by review)
+            return None
         self._sources[key] = src
         return src
 

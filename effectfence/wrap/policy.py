@@ -131,8 +131,9 @@ def _tool(spec: Any, base: ToolPolicy, where: str, allowed: set[str]) -> ToolPol
         out = replace(out, fence=spec["fence"])
     if "intent_args" in spec:
         names = spec["intent_args"]
-        if not isinstance(names, list) or not all(type(n) is str and n for n in names):
-            raise PolicyError(f"{where}: intent_args must be a list of argument names")
+        if not isinstance(names, list) or not names or not all(type(n) is str and n for n in names):
+            # empty, every call of the tool would be one action (found by review)
+            raise PolicyError(f"{where}: intent_args must be a non-empty list of argument names")
         out = replace(out, intent_args=tuple(names))
     if "domain" in spec:
         if type(spec["domain"]) is not str or not spec["domain"]:

@@ -1019,6 +1019,14 @@ class Proxy:
             named: Any = args
         else:
             named = {k: args[k] for k in tp.intent_args if k in args}
+            if not named:
+                # a misspelt name made every call one intent: the first ran, every other
+                # was refused intent_conflict without a word why (found by review)
+                raise InvalidRequest(
+                    f"the policy names `{name}`'s action by {list(tp.intent_args)}, and this "
+                    "call has none of those arguments: check intent_args against the tool's "
+                    "arguments"
+                )
         try:
             digest = hashlib.sha256(canonical_bytes(named)).hexdigest()[:40]
         except CanonicalError as exc:
