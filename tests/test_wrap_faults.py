@@ -648,3 +648,17 @@ async def test_intent_args_that_name_no_argument_of_a_call_refuse_it(
         assert mark(got)["refused"] == "invalid_request" and "orderId" in text(got)
     assert h.ledger() == []
     await h.stop()
+
+
+def test_probe_gives_no_verdict_when_no_call_succeeded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A server that died after its handshake gave '0 ok, 3 errors, 0 distinct' and exit 0,
+    which a CI gate reads as "no double fire" (found by review)."""
+    from effectfence.wrap.probe import NOTHING_COUNTED, main
+
+    monkeypatch.setenv("RAW_LEDGER", str(tmp_path / "ledger.jsonl"))
+    monkeypatch.setenv("RAW_STARTS", str(tmp_path / "starts"))
+    code = main(["--tool", "die", "--calls", "3", "--timeout", "20", "--", *CHILD])
+    assert code == NOTHING_COUNTED == 3
+    assert "INCONCLUSIVE" in capsys.readouterr().err

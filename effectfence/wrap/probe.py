@@ -21,7 +21,10 @@ import orjson
 from effectfence.wrap.client import RPCError, StdioClient
 from effectfence.wrap.proxy import META_KEY
 
-__all__ = ["ProbeReport", "main", "probe"]
+__all__ = ["NOTHING_COUNTED", "ProbeReport", "main", "probe"]
+
+#: exit status when no call succeeded: no verdict either way
+NOTHING_COUNTED = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,4 +115,14 @@ def main(argv: list[str] | None = None) -> int:
             f"errors, {report.distinct} distinct effect(s), {report.replayed} replayed "
             f"({report.seconds:.2f}s)"
         )
-    return 1 if report.distinct > 1 else 0
+    if report.distinct > 1:
+        return 1
+    if report.ok == 0:
+        # nothing came back to count: a gate must not read "no double fire" here (a server
+        # that died after its handshake exited 0; found by review)
+        print(
+            "effectfence probe: INCONCLUSIVE: no call succeeded, so nothing was counted",
+            file=sys.stderr,
+        )
+        return NOTHING_COUNTED
+    return 0
