@@ -662,3 +662,17 @@ def test_probe_gives_no_verdict_when_no_call_succeeded(
     code = main(["--tool", "die", "--calls", "3", "--timeout", "20", "--", *CHILD])
     assert code == NOTHING_COUNTED == 3
     assert "INCONCLUSIVE" in capsys.readouterr().err
+
+
+def test_demo_says_what_failed_on_a_store_it_cannot_open(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`effectfence demo --store bogus://x` ended in a ConnectionError traceback, and
+    `--calls 0` was accepted where probe refuses it (found by review)."""
+    from effectfence.wrap.demo import main
+
+    with pytest.raises(SystemExit):
+        main(["--calls", "0"])
+    assert main(["--calls", "2", "--store", "bogus://x"]) == 2
+    err = capsys.readouterr().err
+    assert "did not answer" in err and "bogus://x" in err and "Traceback" not in err

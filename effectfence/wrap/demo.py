@@ -161,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:
         return serve_main(argv[1:])
+    from effectfence.wrap.client import RPCError
     from effectfence.wrap.probe import probe
 
     parser = argparse.ArgumentParser(
@@ -171,12 +172,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=12, help="identical calls (12)")
     parser.add_argument("--store", default="memory:", help="the wrapper's store (memory:)")
     opts = parser.parse_args(argv)
+    if opts.calls < 1:
+        parser.error("--calls must be at least 1")  # as probe's (found by review)
     server = [sys.executable, "-m", "effectfence.wrap.demo", "serve"]
     wrapped = [sys.executable, "-m", "effectfence", "wrap", "--store", opts.store, "--", *server]
     args = {"order_id": f"demo-{uuid.uuid4().hex[:8]}", "cents": 4200}
     print(f"charge_card({json.dumps(args)}) x {opts.calls}, all at once:")
     for label, cmd in (("raw", server), ("through wrap", wrapped)):
-        rep = asyncio.run(probe(cmd, "charge_card", args, opts.calls))
+        try:
+            rep = asyncio.run(probe(cmd, "charge_card", args, opts.calls))
+        except (OSError, RPCError, TimeoutError, ConnectionError) as exc:
+            # a wrapper that cannot start (a bad --store) printed a traceback (found by
+            # review); what it wrote on stderr is above this line
+            print(
+                f"effectfence demo: the server {label} did not answer "
+                f"({exc or type(exc).__name__}); check --store {opts.store!r}",
+                file=sys.stderr,
+            )
+            return 2
         print(
             f"  {label:<13} {rep.distinct:>3} distinct charge(s), {rep.replayed} replayed, "
             f"{rep.errors} errors"
