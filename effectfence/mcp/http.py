@@ -439,8 +439,8 @@ class _Gate:
         if console:  # it authenticates by the same tokens itself, or a session cookie
             await self._console(scope, receive, send)
             return
+        headers = dict(scope["headers"])  # once: the token and the body's length
         if self.principals is not None:
-            headers = dict(scope["headers"])
             raw = headers.get(b"authorization")
             principal = self.principals.authenticate(raw.decode("latin-1") if raw else None)
             if principal is None:
@@ -474,7 +474,7 @@ class _Gate:
             await _respond(send, 503, _json(body))
             return
         if scope["method"] == "POST":
-            declared = dict(scope["headers"]).get(b"content-length", b"")
+            declared = headers.get(b"content-length", b"")
             if declared.isdigit():
                 if int(declared) > MAX_MCP_BODY:
                     await _respond(send, 413, _TOO_LARGE)

@@ -202,11 +202,7 @@ def _shm_fd(path: str) -> int:
         kept = _SHM_FDS.pop(path, None)
         if kept is not None:
             fd, dev, ino = kept
-            try:
-                st = os.fstat(fd)
-                ours = (st.st_dev, st.st_ino) == (dev, ino)
-            except OSError:
-                ours = False
+            ours = _still_names(fd, dev, ino)
             if ours and (dev, ino) == (now.st_dev, now.st_ino):
                 _SHM_FDS[path] = kept
                 return fd
@@ -242,13 +238,18 @@ def _forget_shm(path: str) -> None:
             pass
         del _SHM_FDS[path]
         _SHM_PAGES.pop(fd, None)  # the number may be reused
-        try:
-            st = os.fstat(fd)
-            ours = (st.st_dev, st.st_ino) == (dev, ino)
-        except OSError:
-            ours = False
-        if ours:
+        if _still_names(fd, dev, ino):
             os.close(fd)
+
+
+def _still_names(fd: int, dev: int, ino: int) -> bool:
+    """Whether descriptor ``fd`` is still the one kept for file (dev, ino): a number closed
+    behind our back may have been reused (see :data:`_SHM_FDS`), and is then never closed."""
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == (dev, ino)
 
 
 def _shm_map(fd: int) -> Any:
