@@ -20,7 +20,7 @@ import pytest
 
 from effectfence.errors import StoreUnavailable
 from effectfence.wrap.policy import Policy
-from effectfence.wrap.proxy import META_KEY, Proxy
+from effectfence.wrap.proxy import META_KEY, UNLISTED, Proxy
 
 ROOT = Path(__file__).resolve().parent.parent
 CHILD = [sys.executable, str(ROOT / "tests" / "fixtures" / "wrap_raw_child.py")]
@@ -676,3 +676,21 @@ def test_demo_says_what_failed_on_a_store_it_cannot_open(
     assert main(["--calls", "2", "--store", "bogus://x"]) == 2
     err = capsys.readouterr().err
     assert "did not answer" in err and "bogus://x" in err and "Traceback" not in err
+
+
+async def test_calls_of_names_the_child_never_listed_share_one_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``by_tool`` kept an entry per tool name a client sent, listed or not: a client
+    calling made-up names grew the wrapper's memory for ever. Names the child listed are
+    counted each; every other name under one entry."""
+    h = Harness(tmp_path, monkeypatch)
+    await h.start()
+    made_up = [h.send("tools/call", {"name": f"made-up-{i}", "arguments": {}}) for i in range(20)]
+    for rid in made_up:
+        assert text(await h.answer(rid)) == "charged"  # relayed and run all the same
+    await h.answer(h.send("tools/call", {"name": "charge", "arguments": {"order": 1}}))
+    stats = await h.answer(h.send("tools/call", {"name": "effectfence_stats", "arguments": {}}))
+    by_tool = stats["result"]["structuredContent"]["by_tool"]
+    assert by_tool == {UNLISTED: {"executed": 20}, "charge": {"executed": 1}}
+    assert await h.stop() == 0

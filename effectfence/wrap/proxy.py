@@ -102,6 +102,9 @@ FENCE_THREADS = 4
 DRAIN_TIMEOUT = 60.0  # s fenced calls get to finish after the client hangs up
 
 _OWN_TOOLS = ("status", "stats", "clear")
+#: ``by_tool``'s one entry for every tool name neither the child listed nor the wrapper owns:
+#: a client can call any number of names, and one entry each grew the counts for ever
+UNLISTED = "(unlisted)"
 
 
 def _stderr(text: str) -> None:
@@ -319,6 +322,7 @@ class WrapStats:
     by_tool: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def tool(self, name: str, what: str) -> None:
+        """Count one outcome of ``name`` (the caller bounds the names: see Proxy._tally)."""
         counts = self.by_tool.setdefault(name, {})
         counts[what] = counts.get(what, 0) + 1
 
@@ -987,7 +991,7 @@ class Proxy:
             if own_role is None and not tp.fenced(self.tools.get(name)):
                 self._forget_call(cid, call)  # the child's now: a cancel is relayed to it
                 self.stats.passed += 1
-                self.stats.tool(name, "passed")
+                self._tally(name, "passed")
                 await self._forward(line, cid, msg)  # as it came: nothing read, nothing lost
                 return
             # what the fence reads, read exactly (orjson reads an integer past 64 bits as a
@@ -1097,13 +1101,13 @@ class Proxy:
             )
         except ChildError as exc:
             self.stats.child_errors += 1
-            self.stats.tool(name, "child_error")
+            self._tally(name, "child_error")
             self.write_client(_line({**exc.response, "id": cid}))
             return
         except NotSent as exc:
             if exc.cancelled:
                 raise asyncio.CancelledError from None  # per MCP: no answer
-            self.stats.tool(name, "not_sent")
+            self._tally(name, "not_sent")
             self._answer(
                 cid,
                 modern,
@@ -1116,7 +1120,7 @@ class Proxy:
             return
         except ChildGone as exc:
             self.stats.unknown_outcomes += 1
-            self.stats.tool(name, "unknown")
+            self._tally(name, "unknown")
             text = (
                 f"effectfence: {exc} while `{name}` was running, so nobody knows whether it "
                 "took effect. To avoid doing it twice, identical calls are refused until an "
@@ -1148,7 +1152,7 @@ class Proxy:
         self, cid: Any, name: str, response: dict[str, Any], exc: Refusal, intent: str
     ) -> None:
         self.stats.executed += 1
-        self.stats.tool(name, "unrecorded")
+        self._tally(name, "unrecorded")
         _stderr(f"{name}: it ran, but the fence could not record it ({exc.code}: {exc.message})")
         out = {**response, "id": cid}
         result = out.get("result")
@@ -1182,11 +1186,11 @@ class Proxy:
         }
         if done.fresh and response is not None:
             self.stats.executed += 1
-            self.stats.tool(name, "executed")
+            self._tally(name, "executed")
             result = dict(response["result"])
         else:
             self.stats.replayed += 1
-            self.stats.tool(name, "replayed")
+            self._tally(name, "replayed")
             stored = _recorded_result(record)
             result = dict(stored) if isinstance(stored, dict) else {"content": []}
         meta = result.get("_meta")
@@ -1211,7 +1215,7 @@ class Proxy:
 
     def _refused(self, cid: Any, modern: bool, name: str, refusal: Refusal) -> None:
         self.stats.refused += 1
-        self.stats.tool(name, refusal.code)
+        self._tally(name, refusal.code)
         payload = refusal.to_payload()
         details = payload.get("details") or {}
         if refusal.code == "intent_failed":
@@ -1330,6 +1334,14 @@ class Proxy:
             "store": fence_stats[0]["store"],
             "namespace": self.namespace,
         }
+
+    def _tally(self, name: str, what: str) -> None:
+        """Count an outcome per tool for the names the child listed and the wrapper's own;
+        every other name a client sends goes under :data:`UNLISTED`, so ``by_tool`` is as
+        large as the listing, not as the number of names clients have made up."""
+        if name not in self.tools and name not in self.own_names.values():
+            name = UNLISTED
+        self.stats.tool(name, what)
 
     # -- running --------------------------------------------------------------------------
     async def run(self, reader: asyncio.StreamReader) -> int:
