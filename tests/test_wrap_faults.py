@@ -694,3 +694,49 @@ async def test_calls_of_names_the_child_never_listed_share_one_count(
     by_tool = stats["result"]["structuredContent"]["by_tool"]
     assert by_tool == {UNLISTED: {"executed": 20}, "charge": {"executed": 1}}
     assert await h.stop() == 0
+
+
+@pytest.mark.parametrize("then", ["answer", "death"])
+async def test_a_cancelled_pass_through_request_is_owed_no_answer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, then: str
+) -> None:
+    """The id of a relayed request the client cancelled stayed in the child's ``relayed``
+    for ever (per MCP the child need not answer it), and a dying child's leftovers were
+    answered an error the client no longer waited for. The cancel still reaches the child
+    as it came, and an answer the child sends all the same still reaches the client."""
+    gate = tmp_path / "gate"
+    h = Harness(tmp_path, monkeypatch, RAW_HOLD=str(gate))
+    await h.start()
+    child = h.proxy.child
+    assert child is not None
+    to_child: list[bytes] = []
+    write = child.write
+    monkeypatch.setattr(child, "write", lambda data: (to_child.append(data), write(data))[1])
+    held = h.send("hold")
+    async with asyncio.timeout(BOUND):
+        while not Path(str(gate) + ".asked").exists():
+            await asyncio.sleep(0.01)
+    assert held in child.relayed
+    cancel = json.dumps(
+        {
+            "jsonrpc": "2.0",
+            "method": "notifications/cancelled",
+            "params": {"requestId": held, "reason": "gave up"},
+        }
+    ).encode()
+    h.raw(cancel)
+    async with asyncio.timeout(BOUND):
+        while cancel + b"\n" not in to_child:  # relayed byte for byte
+            await asyncio.sleep(0.01)
+    assert child.relayed == set()
+    if then == "answer":
+        gate.touch()
+        assert (await h.answer(held))["result"] == {"held": True}  # late, relayed all the same
+    else:
+        child.proc.kill()
+        async with asyncio.timeout(BOUND):
+            while h.proxy.child is child:  # its death handled (orphans answered) by then
+                await asyncio.sleep(0.01)
+        assert not any(json.loads(line).get("id") == held for line in h.out)
+    assert "result" in await h.answer(h.send("ping"))
+    assert await h.stop() == 0

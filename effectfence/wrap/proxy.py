@@ -275,7 +275,8 @@ class Child:
     def __init__(self, proc: asyncio.subprocess.Process) -> None:
         self.proc = proc
         self.pending: dict[str, asyncio.Future[dict[str, Any]]] = {}
-        #: ids of the client's requests relayed to this child, which it owes answers
+        #: ids of the client's requests relayed to this child, which it owes answers (until
+        #: it answers, or the client cancels: see Proxy._forget_relayed)
         self.relayed: set[Any] = set()
         #: the wrapper's tools/list requests for a client: own id -> (client id, first page)
         self.listings: dict[str, tuple[Any, bool]] = {}
@@ -622,6 +623,7 @@ class Proxy:
             if method == "notifications/cancelled" and isinstance(params, dict):
                 if self._cancel(params.get("requestId"), params.get("reason")):
                     return
+                self._forget_relayed(params.get("requestId"))  # and relayed as it came
             elif method == "notifications/initialized":
                 self.initialized = True
             await self._forward(line, None, msg)
@@ -741,6 +743,14 @@ class Proxy:
         if call.task is not None:
             call.task.cancel()
         return True
+
+    def _forget_relayed(self, cid: Any) -> None:
+        """The client cancelled a request relayed to the child: per MCP the child need not
+        answer it, so it is no longer owed one (kept, its id stayed for ever in a long-lived
+        wrapper). An answer that comes all the same is relayed, as every child line is."""
+        child = self.child
+        if child is not None and _is_id(cid):
+            child.relayed.discard(cid)
 
     # -- child -> client ------------------------------------------------------------------
     def on_child_line(self, line: bytes, child: Child | None = None) -> None:
