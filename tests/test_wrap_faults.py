@@ -20,7 +20,7 @@ import pytest
 
 from effectfence.errors import StoreUnavailable
 from effectfence.wrap.policy import Policy
-from effectfence.wrap.proxy import META_KEY, UNLISTED, Proxy
+from effectfence.wrap.proxy import META_KEY, UNLISTED, Child, Proxy
 
 ROOT = Path(__file__).resolve().parent.parent
 CHILD = [sys.executable, str(ROOT / "tests" / "fixtures" / "wrap_raw_child.py")]
@@ -452,9 +452,7 @@ async def test_a_dead_childs_leftovers_are_its_own_not_those_of_the_child_after_
     gate = tmp_path / "gate"
     monkeypatch.setenv("RAW_LIST_GATE", str(gate))  # the next child holds its tools/list
     listing = h.send("tools/list")
-    async with asyncio.timeout(BOUND):
-        while not Path(str(gate) + ".asked").exists():
-            await asyncio.sleep(0.01)
+    await _asked(gate)
     pinged = h.send("ping")  # relayed to the new child, unanswered until its list is done
     h.proxy._orphaned(first, -9)  # the first child's death handling, once more, late
     gate.touch()
@@ -696,6 +694,23 @@ async def test_calls_of_names_the_child_never_listed_share_one_count(
     assert await h.stop() == 0
 
 
+def _spy_on_child(h: Harness, monkeypatch: pytest.MonkeyPatch) -> tuple[Child, list[bytes]]:
+    """The harness's child, and every line the wrapper writes to it from now on."""
+    child = h.proxy.child
+    assert child is not None
+    to_child: list[bytes] = []
+    write = child.write
+    monkeypatch.setattr(child, "write", lambda data: (to_child.append(data), write(data))[1])
+    return child, to_child
+
+
+async def _asked(gate: Path) -> None:
+    """Until the raw child holds a request at ``gate`` (it touched ``gate``.asked)."""
+    async with asyncio.timeout(BOUND):
+        while not Path(str(gate) + ".asked").exists():
+            await asyncio.sleep(0.01)
+
+
 @pytest.mark.parametrize("then", ["answer", "death"])
 async def test_a_cancelled_pass_through_request_is_owed_no_answer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, then: str
@@ -707,15 +722,9 @@ async def test_a_cancelled_pass_through_request_is_owed_no_answer(
     gate = tmp_path / "gate"
     h = Harness(tmp_path, monkeypatch, RAW_HOLD=str(gate))
     await h.start()
-    child = h.proxy.child
-    assert child is not None
-    to_child: list[bytes] = []
-    write = child.write
-    monkeypatch.setattr(child, "write", lambda data: (to_child.append(data), write(data))[1])
+    child, to_child = _spy_on_child(h, monkeypatch)
     held = h.send("hold")
-    async with asyncio.timeout(BOUND):
-        while not Path(str(gate) + ".asked").exists():
-            await asyncio.sleep(0.01)
+    await _asked(gate)
     assert held in child.relayed
     cancel = json.dumps(
         {
@@ -739,4 +748,39 @@ async def test_a_cancelled_pass_through_request_is_owed_no_answer(
                 await asyncio.sleep(0.01)
         assert not any(json.loads(line).get("id") == held for line in h.out)
     assert "result" in await h.answer(h.send("ping"))
+    assert await h.stop() == 0
+
+
+async def test_a_cancelled_tools_list_is_cancelled_in_the_child_under_the_id_it_knows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wrapper sends a client's tools/list on under an id of its own. A cancel of it
+    went to the child under the client's id, which the child never saw, so it answered
+    anyway and the client got an answer it had cancelled. The cancel now names the
+    wrapper's id, the listing is forgotten, and a late answer goes nowhere."""
+    gate = tmp_path / "gate"
+    h = Harness(tmp_path, monkeypatch, RAW_LIST_GATE=str(gate))
+    await h.start(list_tools=False)
+    child, to_child = _spy_on_child(h, monkeypatch)
+    listing = h.send("tools/list")
+    await _asked(gate)
+    (own,) = child.listings
+    h.raw(
+        json.dumps(
+            {
+                "jsonrpc": "2.0",
+                "method": "notifications/cancelled",
+                "params": {"requestId": listing, "reason": "gave up"},
+            }
+        ).encode()
+    )
+    async with asyncio.timeout(BOUND):
+        while not any(b"notifications/cancelled" in data for data in to_child):
+            await asyncio.sleep(0.01)
+    (sent,) = [json.loads(d) for d in to_child if b"notifications/cancelled" in d]
+    assert sent["params"] == {"requestId": own, "reason": "gave up"}
+    assert child.listings == {}
+    gate.touch()  # the child answers all the same: nobody is owed that answer
+    assert "result" in await h.answer(h.send("ping"))
+    assert not [line for line in h.out if json.loads(line).get("id") == listing]
     assert await h.stop() == 0

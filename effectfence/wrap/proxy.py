@@ -623,6 +623,8 @@ class Proxy:
             if method == "notifications/cancelled" and isinstance(params, dict):
                 if self._cancel(params.get("requestId"), params.get("reason")):
                     return
+                if self._cancel_listing(params.get("requestId"), msg):
+                    return
                 self._forget_relayed(params.get("requestId"))  # and relayed as it came
             elif method == "notifications/initialized":
                 self.initialized = True
@@ -742,6 +744,23 @@ class Proxy:
                 )
         if call.task is not None:
             call.task.cancel()
+        return True
+
+    def _cancel_listing(self, cid: Any, msg: dict[str, Any]) -> bool:
+        """The client cancelled a tools/list the wrapper sent on under its own id: the
+        cancel goes to the child under that id (under the client's, the child never knew
+        which request was meant and answered anyway), and the listing is forgotten: its
+        answer, if one comes, is dropped like any other the wrapper no longer waits for."""
+        child = self.child
+        if child is None or not _is_id(cid):
+            return False
+        own = next((o for o, (c, _) in child.listings.items() if c == cid), None)
+        if own is None:
+            return False
+        del child.listings[own]
+        params = {**msg["params"], "requestId": own}
+        with contextlib.suppress(ChildGone):  # a child gone owes nothing any more
+            child.write(self._for_child({**msg, "params": params}))
         return True
 
     def _forget_relayed(self, cid: Any) -> None:
