@@ -784,3 +784,29 @@ async def test_a_cancelled_tools_list_is_cancelled_in_the_child_under_the_id_it_
     assert "result" in await h.answer(h.send("ping"))
     assert not [line for line in h.out if json.loads(line).get("id") == listing]
     assert await h.stop() == 0
+
+
+async def test_a_cancel_after_the_child_died_starts_no_child_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a cancel names died with the child (its client was answered an error), so a
+    cancel then is dropped: it used to start a new child only to hand it the cancel."""
+    gate = tmp_path / "gate"
+    h = Harness(tmp_path, monkeypatch, RAW_HOLD=str(gate))
+    await h.start()
+    held = h.send("hold")
+    await _asked(gate)
+    child = h.proxy.child
+    assert child is not None
+    child.proc.kill()
+    assert "error" in await h.answer(held)  # told that the server stopped before answering
+    async with asyncio.timeout(BOUND):
+        while h.proxy.child is not None:
+            await asyncio.sleep(0.01)
+    starts = h.proxy.stats.child_starts
+    cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": held}}
+    await h.proxy.on_client_line(json.dumps(cancel).encode())  # handled whole on return
+    assert h.proxy.child is None and h.proxy.stats.child_starts == starts
+    assert "result" in await h.answer(h.send("ping"))  # a request starts the next child
+    assert h.proxy.stats.child_starts == starts + 1
+    assert await h.stop() == 0

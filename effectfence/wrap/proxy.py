@@ -625,6 +625,10 @@ class Proxy:
                     return
                 if self._cancel_listing(params.get("requestId"), msg):
                     return
+                if self.child is None:
+                    # what it cancels died with the last child (its client was told so):
+                    # starting a new child only to hand it this would be all it did
+                    return
                 self._forget_relayed(params.get("requestId"))  # and relayed as it came
             elif method == "notifications/initialized":
                 self.initialized = True
