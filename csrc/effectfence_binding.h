@@ -16,6 +16,13 @@
  *    generated wrapper return NULL instead of a value, which is how CPython signals an error.
  *    tests/test_build.py checks that every generated wrapper still has that shape.
  *
+ * 3. It converts the arguments.  cffi's own int64_t conversion raises OverflowError("int too big
+ *    to convert") for an int outside int64, before the shim runs, where the pure table says
+ *    ValueError for a bad slot or a negative value.  _cffi_to_c_int is redefined below to clamp
+ *    such an int to INT64_MIN or INT64_MAX instead, which no slot and no value accepts, so the
+ *    shim refuses it like any other out-of-range argument, in the same order and with the same
+ *    exception type as the pure table.  Non-ints still go through cffi's conversion (TypeError).
+ *
  * Everything between the CDEF markers is the cffi cdef, read by build_ffi.py and skipped by the
  * C compiler (`#if 0`): keep it to what pycparser accepts.  `...` lets cffi take the value from
  * the compiler, so Python sees the constants the C was built with.
@@ -46,7 +53,8 @@ int64_t ef_max_value(void);
 int64_t ef_capacity(void);
 
 int64_t efpy_alloc_slot(int64_t initial);
-int64_t efpy_store(int64_t slot, int64_t value);
+int64_t efpy_release(int64_t slot);
+int64_t efpy_reclaim(int64_t slot, int64_t initial);
 int64_t efpy_load(int64_t slot);
 int64_t efpy_reserve(int64_t slot);
 int64_t efpy_advance_if(int64_t slot, int64_t expected);
@@ -57,23 +65,59 @@ int64_t efpy_fetch_max(int64_t slot, int64_t value);
 
 static int ef_gil_held(void) { return PyGILState_Check(); }
 
+/* See 3. above.  Every argument in the CDEF block is an int64_t; the sizeof trick refuses to
+ * compile a wrapper that would convert anything else through this. */
+static int64_t efpy_to_int64(PyObject *o) {
+    if (PyLong_Check(o)) {
+        int overflow = 0;
+        long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+        if (overflow != 0) {
+            return overflow > 0 ? INT64_MAX : INT64_MIN;
+        }
+        return (int64_t)v;
+    }
+    return (int64_t)_cffi_to_c_i64(o);
+}
+#undef _cffi_to_c_int
+#define _cffi_to_c_int(o, type) \
+    ((void)sizeof(char[sizeof(type) == sizeof(int64_t) ? 1 : -1]), (type)efpy_to_int64(o))
+
+/* An argument as the message shows it: the two clamped ends may stand for any int beyond them. */
+static const char *efpy_num(int64_t v, char *buf, size_t size) {
+    if (v == INT64_MIN) {
+        return "-2**63 or less";
+    }
+    if (v == INT64_MAX) {
+        return "2**63-1 or more";
+    }
+    PyOS_snprintf(buf, size, "%lld", (long long)v);
+    return buf;
+}
+
 /* Name what was wrong.  The caller returns any int64; the wrapper discards it and raises. */
 static int64_t efpy_fail_slot(int64_t slot) {
-    if (slot < 0) {
-        PyErr_Format(PyExc_ValueError, "counter slot must be >= 0, got %lld", (long long)slot);
-    } else {
-        PyErr_Format(PyExc_ValueError, "counter slot %lld was never allocated", (long long)slot);
-    }
+    char buf[32];
+    PyErr_Format(PyExc_ValueError,
+                 "counter slot %s is not live: never handed out by slot()/find(), or its "
+                 "domain was evicted",
+                 efpy_num(slot, buf, sizeof buf));
     return -1;
 }
 
 static int64_t efpy_check_value(const char *what, int64_t value) {
+    char buf[32];
     if (value < 0) {
-        PyErr_Format(PyExc_ValueError, "%s must be >= 0, got %lld", what, (long long)value);
+        PyErr_Format(PyExc_ValueError, "%s must be >= 0, got %s", what,
+                     efpy_num(value, buf, sizeof buf));
     } else if (value > ef_max_value()) {
-        PyErr_Format(PyExc_OverflowError, "%s %lld exceeds the counter maximum 2**63-2", what,
-                     (long long)value);
+        PyErr_Format(PyExc_OverflowError, "%s %s exceeds the counter maximum 2**63-2", what,
+                     efpy_num(value, buf, sizeof buf));
     }
+    return -1;
+}
+
+static int64_t efpy_fail_nomem(void) {
+    PyErr_SetString(PyExc_MemoryError, "effectfence counter table is full or out of memory");
     return -1;
 }
 
@@ -82,21 +126,26 @@ static int64_t efpy_alloc_slot(int64_t initial) {
     if (r == EF_ERR_VALUE) {
         return efpy_check_value("initial value", initial);
     }
-    if (r < 0) {
-        PyErr_SetString(PyExc_MemoryError, "effectfence counter table is full or out of memory");
-    }
-    return r;
+    return r < 0 ? efpy_fail_nomem() : r;
 }
 
-static int64_t efpy_store(int64_t slot, int64_t value) {
-    int64_t r = ef_store(slot, value);
+static int64_t efpy_release(int64_t slot) {
+    int64_t r = ef_release(slot);
+    return r < 0 ? efpy_fail_slot(slot) : r;
+}
+
+static int64_t efpy_reclaim(int64_t slot, int64_t initial) {
+    int64_t r = ef_reclaim(slot, initial);
     if (r == EF_ERR_SLOT) {
-        return efpy_fail_slot(slot);
+        char buf[32];
+        PyErr_Format(PyExc_ValueError, "counter slot %s is not a released slot",
+                     efpy_num(slot, buf, sizeof buf));
+        return r;
     }
     if (r == EF_ERR_VALUE) {
-        return efpy_check_value("value", value);
+        return efpy_check_value("initial value", initial);
     }
-    return r;
+    return r < 0 ? efpy_fail_nomem() : r;
 }
 
 static int64_t efpy_load(int64_t slot) {

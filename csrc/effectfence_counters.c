@@ -4,21 +4,33 @@
  * Memory ordering: counter operations are sequentially consistent (the default), because the
  * fence builds its exactly-once argument on them and the cost on x86/ARM64 for a single RMW is
  * the same locked instruction either way.  Segment pointers are published with release and read
- * with acquire so a thread that sees a segment also sees it zero-initialised.
+ * with acquire so a thread that sees a segment also sees it zero-initialised; likewise a cell's
+ * handle is published (release) only after its value is initialised, and checked with acquire.
+ * The handle check and the operation are two steps: a handle released *during* an operation on
+ * it is the caller's bug (ef_release's precondition), not something the check can catch.
  */
 #include "effectfence_counters.h"
 
 #include <stdatomic.h>
 #include <stdlib.h>
 
-#define EF_VERSION_STRING "1.0.0"
+#define EF_VERSION_STRING "2.0.0"
 #define EF_MAX ((int64_t)(INT64_MAX - 1))
 #define EF_FAIL INT64_MIN
 #define EF_CAPACITY ((int64_t)EF_SEGMENT_SIZE * (int64_t)EF_MAX_SEGMENTS)
 
 typedef _Atomic int64_t ef_counter;
 
-static _Atomic(ef_counter *) ef_segments[EF_MAX_SEGMENTS];
+/* One counter and the handle it is lent under: `live` > 0 is the live handle, < 0 is minus the
+ * last released handle, 0 means the cell was never handed out (or is being reclaimed). */
+typedef struct {
+    ef_counter value;
+    _Atomic int64_t live;
+} ef_cell;
+
+_Static_assert(EF_CAPACITY == ((int64_t)1 << EF_INDEX_BITS), "EF_INDEX_BITS must match capacity");
+
+static _Atomic(ef_cell *) ef_segments[EF_MAX_SEGMENTS];
 static _Atomic int64_t ef_next_slot;
 
 int64_t ef_abi_version(void) { return EF_ABI_VERSION; }
@@ -27,14 +39,25 @@ int64_t ef_max_value(void) { return EF_MAX; }
 int64_t ef_capacity(void) { return EF_CAPACITY; }
 int64_t ef_fail_code(void) { return EF_FAIL; }
 
-/* The counter behind `slot`, or NULL when the slot was never allocated. */
-static inline ef_counter *ef_counter_at(int64_t slot) {
-    if (slot < 0 || slot >= EF_CAPACITY) {
+/* The cell a handle points into (live or not), or NULL when its index has no segment.  Every
+ * handle is >= EF_CAPACITY (generation >= 1), so negatives and bare indices are refused here. */
+static inline ef_cell *ef_cell_at(int64_t slot) {
+    if (slot < EF_CAPACITY) {
         return NULL;
     }
-    ef_counter *seg = atomic_load_explicit(&ef_segments[slot / EF_SEGMENT_SIZE],
-                                           memory_order_acquire);
-    return seg == NULL ? NULL : &seg[slot % EF_SEGMENT_SIZE];
+    int64_t index = slot & (EF_CAPACITY - 1);
+    ef_cell *seg = atomic_load_explicit(&ef_segments[index / EF_SEGMENT_SIZE],
+                                        memory_order_acquire);
+    return seg == NULL ? NULL : &seg[index % EF_SEGMENT_SIZE];
+}
+
+/* The counter behind `slot`, or NULL unless `slot` is its cell's live handle. */
+static inline ef_counter *ef_counter_at(int64_t slot) {
+    ef_cell *cell = ef_cell_at(slot);
+    if (cell == NULL || atomic_load_explicit(&cell->live, memory_order_acquire) != slot) {
+        return NULL;
+    }
+    return &cell->value;
 }
 
 /* Make sure segment `index` exists.  Lock-free: whoever installs first wins, the loser frees. */
@@ -42,14 +65,15 @@ static int ef_ensure_segment(int64_t index) {
     if (atomic_load_explicit(&ef_segments[index], memory_order_acquire) != NULL) {
         return 1;
     }
-    ef_counter *fresh = calloc(EF_SEGMENT_SIZE, sizeof(ef_counter));
+    ef_cell *fresh = calloc(EF_SEGMENT_SIZE, sizeof(ef_cell));
     if (fresh == NULL) {
         return 0;
     }
     for (int64_t i = 0; i < EF_SEGMENT_SIZE; i++) {
-        atomic_init(&fresh[i], 0);
+        atomic_init(&fresh[i].value, 0);
+        atomic_init(&fresh[i].live, 0);
     }
-    ef_counter *expected = NULL;
+    ef_cell *expected = NULL;
     if (!atomic_compare_exchange_strong_explicit(&ef_segments[index], &expected, fresh,
                                                  memory_order_acq_rel, memory_order_acquire)) {
         free(fresh); /* lost the race: someone else's segment is installed */
@@ -62,29 +86,51 @@ int64_t ef_alloc_slot(int64_t initial) {
         return EF_ERR_VALUE;
     }
     /* CAS loop instead of fetch_add so a full table does not keep bumping the index. */
-    int64_t slot = atomic_load(&ef_next_slot);
+    int64_t index = atomic_load(&ef_next_slot);
     do {
-        if (slot >= EF_CAPACITY) {
+        if (index >= EF_CAPACITY) {
             return EF_ERR_NOMEM;
         }
-    } while (!atomic_compare_exchange_weak(&ef_next_slot, &slot, slot + 1));
-    if (!ef_ensure_segment(slot / EF_SEGMENT_SIZE)) {
+    } while (!atomic_compare_exchange_weak(&ef_next_slot, &index, index + 1));
+    if (!ef_ensure_segment(index / EF_SEGMENT_SIZE)) {
         return EF_ERR_NOMEM; /* the slot index is lost; only on out-of-memory */
     }
-    atomic_store(ef_counter_at(slot), initial);
-    return slot;
+    int64_t handle = EF_CAPACITY | index; /* generation 1 */
+    ef_cell *cell = ef_cell_at(handle);
+    atomic_store(&cell->value, initial);
+    atomic_store_explicit(&cell->live, handle, memory_order_release); /* publish last */
+    return handle;
 }
 
-int64_t ef_store(int64_t slot, int64_t value) {
-    ef_counter *c = ef_counter_at(slot);
-    if (c == NULL) {
+int64_t ef_release(int64_t slot) {
+    ef_cell *cell = ef_cell_at(slot);
+    int64_t expected = slot;
+    if (cell == NULL || !atomic_compare_exchange_strong(&cell->live, &expected, -slot)) {
         return EF_ERR_SLOT;
     }
-    if (value < 0 || value > EF_MAX) {
+    return 0;
+}
+
+int64_t ef_reclaim(int64_t slot, int64_t initial) {
+    ef_cell *cell = ef_cell_at(slot);
+    if (cell == NULL || atomic_load(&cell->live) != -slot) {
+        return EF_ERR_SLOT;
+    }
+    if (initial < 0 || initial > EF_MAX) {
         return EF_ERR_VALUE;
     }
-    atomic_store(c, value);
-    return 0;
+    if (slot > INT64_MAX - EF_CAPACITY) {
+        return EF_ERR_NOMEM; /* 2**39 generations of this cell used up: leave it retired */
+    }
+    /* Claim (-slot -> 0) so no one else can reclaim it, initialise, then publish the handle. */
+    int64_t expected = -slot;
+    if (!atomic_compare_exchange_strong(&cell->live, &expected, 0)) {
+        return EF_ERR_SLOT;
+    }
+    int64_t handle = slot + EF_CAPACITY; /* same index, next generation */
+    atomic_store(&cell->value, initial);
+    atomic_store_explicit(&cell->live, handle, memory_order_release);
+    return handle;
 }
 
 int64_t ef_load(int64_t slot) {

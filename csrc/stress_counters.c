@@ -2,7 +2,8 @@
  * stress_counters.c -- threads hammering the counter core, for ThreadSanitizer/ASan/UBSan.
  *
  * Built by tests/test_build.py together with effectfence_counters.c.  Each round:
- *   - every thread allocates slots (forcing concurrent segment growth and install races),
+ *   - every thread allocates slots (forcing concurrent segment growth and install races), then
+ *     releases and reclaims each: the old handle must be dead, the new one live at its value,
  *   - every thread reserves on one shared hot counter; the values must be unique and gapless,
  *   - every thread races advance_if on one expected value; exactly one must win per trial,
  *   - every thread raises a shared counter with fetch_max; the result must be the maximum.
@@ -41,6 +42,12 @@ static void *worker(void *arg) {
         int64_t s = ef_alloc_slot(i);
         if (s < 0 || ef_load(s) != i || ef_reserve(s) != i + 1) {
             fail("alloc_slot/load/reserve on a fresh slot");
+            break;
+        }
+        int64_t again = ef_release(s) == 0 ? ef_reclaim(s, i) : EF_ERR_SLOT;
+        if (again < 0 || again == s || ef_load(again) != i || ef_load(s) != EF_ERR_SLOT ||
+            ef_reserve(s) != EF_ERR_SLOT) {
+            fail("release/reclaim: the old handle must be dead, the new one live");
             break;
         }
     }
@@ -122,11 +129,25 @@ int main(void) {
     int64_t edge = ef_alloc_slot(ef_max_value());
     if (ef_reserve(edge) != EF_ERR_OVERFLOW || ef_load(edge) != ef_max_value() ||
         ef_advance_if(edge, ef_max_value()) != ef_fail_code() || ef_load(-1) != EF_ERR_SLOT ||
-        ef_reserve(ef_capacity()) != EF_ERR_SLOT) {
+        ef_reserve(ef_capacity() - 1) != EF_ERR_SLOT || /* a bare index is never a handle */
+        ef_reserve(edge + ef_capacity()) != EF_ERR_SLOT || /* a generation not handed out */
+        ef_reserve(INT64_MAX) != EF_ERR_SLOT) {
         fail("edge cases");
+    }
+    /* A released handle is refused by every call and cannot be released or reclaimed twice. */
+    int64_t old = ef_alloc_slot(5);
+    if (ef_release(old) != 0 || ef_release(old) != EF_ERR_SLOT || ef_load(old) != EF_ERR_SLOT ||
+        ef_reserve(old) != EF_ERR_SLOT || ef_advance_if(old, 5) != ef_fail_code() ||
+        ef_compare_exchange(old, 5, 6) != ef_fail_code() || ef_fetch_max(old, 9) != EF_ERR_SLOT) {
+        fail("a released handle still works");
+    }
+    int64_t renewed = ef_reclaim(old, 7);
+    if (renewed < 0 || ef_load(renewed) != 7 || ef_load(old) != EF_ERR_SLOT ||
+        ef_reclaim(old, 0) != EF_ERR_SLOT || ef_reclaim(renewed, 0) != EF_ERR_SLOT) {
+        fail("reclaim");
     }
     int n = atomic_load(&failures);
     printf("stress: %s (%d threads, %lld slots allocated)\n", n ? "FAILED" : "ok", THREADS,
-           (long long)(THREADS * ALLOCS + 4));
+           (long long)(THREADS * ALLOCS + 5));
     return n ? 1 : 0;
 }

@@ -24,8 +24,9 @@ except ImportError as exc:  # not built, or built for another interpreter
 _ffi_any: Any = _ext.ffi
 _lib_any: Any = _ext.lib
 
-#: The ABI of csrc/effectfence_binding.h this module was written against.
-EXPECTED_ABI: Final = 1
+#: The ABI of csrc/effectfence_binding.h this module was written against (2: slots are
+#: generation-tagged handles that stop working once released).
+EXPECTED_ABI: Final = 2
 
 ABI: Final[int] = int(_lib_any.ef_abi_version())
 if ABI != EXPECTED_ABI or int(_lib_any.EF_ABI_VERSION) != EXPECTED_ABI:
@@ -39,9 +40,11 @@ MAX_VALUE: Final[int] = int(_lib_any.ef_max_value())
 CAPACITY: Final[int] = int(_lib_any.ef_capacity())
 
 # Raw C entry points.  Each raises ValueError/OverflowError/TypeError/MemoryError on bad input
-# and returns the documented int64 otherwise (see csrc/effectfence_counters.h).
+# and returns the documented int64 otherwise (see csrc/effectfence_counters.h).  A slot is a
+# handle from alloc_slot/reclaim; every call refuses one that is not live (ValueError).
 alloc_slot: Final[Callable[[int], int]] = _lib_any.efpy_alloc_slot
-store: Final[Callable[[int, int], int]] = _lib_any.efpy_store
+release: Final[Callable[[int], int]] = _lib_any.efpy_release
+reclaim: Final[Callable[[int, int], int]] = _lib_any.efpy_reclaim
 load: Final[Callable[[int], int]] = _lib_any.efpy_load
 reserve: Final[Callable[[int], int]] = _lib_any.efpy_reserve
 advance_if: Final[Callable[[int, int], int]] = _lib_any.efpy_advance_if

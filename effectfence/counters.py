@@ -25,8 +25,18 @@ re-created domain is strictly above every value the old one ever had: an old
 Precondition of ``evict``: no other thread is operating on that domain (the fence guarantees
 this by refusing eviction while an attempt is in flight).
 
-Slot-index calls (``*_slot``) skip the name lookup; a slot is valid from ``slot()``/``find()``
-until the domain is evicted, and only on the table that handed it out.
+Slot calls (``*_slot``) skip the name lookup.  A slot is an opaque handle, valid from
+``slot()``/``find()`` until the domain is evicted, and only on the table that handed it out.
+Both tables refuse (ValueError) a slot that is not live: never handed out, out of range, or
+whose domain was evicted (even once its storage is reused); handles are never small ints, so
+an index is never mistaken for a slot.  One difference, by design: the atomic table's slot calls
+are the raw C functions, which do not know the table they are called through, so a *live* slot
+of another atomic table acts on that table's counter, where the pure table refuses it.
+Checking that in C would need the table passed in, a two-argument call that costs about as
+much as the operation itself.
+
+Arguments beyond int64 are refused like any other out-of-range argument (a slot: ValueError; a
+negative value: ValueError; a value past :data:`MAX_VALUE`: OverflowError), by both tables.
 
 Backend choice: ``EFFECTFENCE_COUNTERS=pure|atomic`` forces one (forcing ``atomic`` without the
 extension raises :class:`CounterBackendUnavailable`, an ImportError); unset or empty means
@@ -36,6 +46,7 @@ atomic when the extension imports, pure otherwise.
 from __future__ import annotations
 
 import importlib
+import itertools
 import os
 import threading
 import weakref
@@ -142,9 +153,10 @@ def _check_expected_advance(expected: object) -> None:
 def _slot_error(slot: object) -> Exception:
     if not isinstance(slot, int):
         return _int_error("slot", slot)
-    if slot < 0:
-        return ValueError(f"counter slot must be >= 0, got {slot}")
-    return ValueError(f"counter slot {slot} was never allocated")
+    return ValueError(
+        f"counter slot {slot} is not live: never handed out by slot()/find(), or its domain "
+        f"was evicted"
+    )
 
 
 def _overflow_error(slot: int) -> OverflowError:
@@ -153,17 +165,23 @@ def _overflow_error(slot: int) -> OverflowError:
 
 # --- pure-Python table ----------------------------------------------------------------------
 
+#: Slot handles of every pure table in the process: never reused and never small (like the C
+#: table's), so a slot of another table, an evicted one or a bare index is never a key of
+#: ``_values`` and is refused.  Odd and above 2**53, so no float (and no bool) equals one and
+#: the hot paths need no type check to refuse them.  ``next()`` is one step under the GIL.
+_PURE_HANDLES: Final = itertools.count((1 << 53) + 1, 2)
+
 
 class PureCounterTable:
-    """Python ints in a list, one ``threading.Lock`` around every read-modify-write."""
+    """Python ints in a dict keyed by slot handle, one ``threading.Lock`` around every
+    read-modify-write."""
 
     backend: str = "pure"
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._slots: dict[str, int] = {}
-        self._values: list[int] = []
-        self._free: list[int] = []
+        self._values: dict[int, int] = {}
         self._floor = 0
 
     def __repr__(self) -> str:
@@ -183,12 +201,8 @@ class PureCounterTable:
             slot = self._slots.get(domain)
             if slot is not None:
                 return slot
-            if self._free:
-                slot = self._free.pop()
-                self._values[slot] = self._floor
-            else:
-                slot = len(self._values)
-                self._values.append(self._floor)
+            slot = next(_PURE_HANDLES)
+            self._values[slot] = self._floor
             self._slots[domain] = slot
             return slot
 
@@ -209,11 +223,9 @@ class PureCounterTable:
 
     def load_slot(self, slot: int) -> int:
         try:
-            if slot >= 0:
-                return self._values[slot]
-        except (TypeError, IndexError):
-            pass
-        raise _slot_error(slot)
+            return self._values[slot]
+        except (KeyError, TypeError):
+            raise _slot_error(slot) from None
 
     def reserve(self, domain: str) -> int:
         slot = self._slots.get(domain) if type(domain) is str else None
@@ -225,14 +237,14 @@ class PureCounterTable:
         values = self._values
         with self._lock:
             try:
-                if slot >= 0:
-                    value = values[slot]
-                    if value >= MAX_VALUE:
-                        raise _overflow_error(slot)
-                    values[slot] = value + 1
-                    return value + 1
-            except (TypeError, IndexError):
+                value = values[slot]
+            except (KeyError, TypeError):
                 pass
+            else:
+                if value >= MAX_VALUE:
+                    raise _overflow_error(slot)
+                values[slot] = value + 1
+                return value + 1
         raise _slot_error(slot)
 
     def advance_if(self, domain: str, expected: int) -> int:
@@ -249,14 +261,14 @@ class PureCounterTable:
             _check_expected_advance(expected)
         with self._lock:
             try:
-                if slot >= 0:
-                    current = values[slot]
-                    if current == expected:
-                        values[slot] = expected + 1
-                        return expected + 1
-                    return -current - 1
-            except (TypeError, IndexError):
+                current = values[slot]
+            except (KeyError, TypeError):
                 pass
+            else:
+                if current == expected:
+                    values[slot] = expected + 1
+                    return expected + 1
+                return -current - 1
         raise _slot_error(slot)
 
     def compare_exchange(self, domain: str, expected: int, new: int) -> tuple[bool, int]:
@@ -271,14 +283,14 @@ class PureCounterTable:
         values = self._values
         with self._lock:
             try:
-                if slot >= 0:
-                    current = values[slot]
-                    if current == expected:
-                        values[slot] = new
-                        return True, current
-                    return False, current
-            except (TypeError, IndexError):
+                current = values[slot]
+            except (KeyError, TypeError):
                 pass
+            else:
+                if current == expected:
+                    values[slot] = new
+                    return True, current
+                return False, current
         raise _slot_error(slot)
 
     def floor(self) -> int:
@@ -291,9 +303,8 @@ class PureCounterTable:
             slot = self._slots.pop(domain, None)
             if slot is None:
                 return None
-            last = self._values[slot]
+            last = self._values.pop(slot)  # the handle dies with the domain
             self._floor = max(self._floor, min(last + 1, MAX_VALUE))
-            self._free.append(slot)
             return last
 
     def __len__(self) -> int:
@@ -316,16 +327,19 @@ AtomicCounterTable: Any = None
 
 if _atomic is not None:
     _a_alloc: Callable[[int], int] = _atomic.alloc_slot
-    _a_store: Callable[[int, int], int] = _atomic.store
+    _a_release: Callable[[int], int] = _atomic.release
+    _a_reclaim: Callable[[int, int], int] = _atomic.reclaim
     _a_load: Callable[[int], int] = _atomic.load
     _a_reserve: Callable[[int], int] = _atomic.reserve
     _a_advance_if: Callable[[int, int], int] = _atomic.advance_if
     _a_compare_exchange: Callable[[int, int, int], int] = _atomic.compare_exchange
     _a_fetch_max: Callable[[int, int], int] = _atomic.fetch_max
 
-    #: Slots of evicted domains and dead tables, shared by all atomic tables of the process.
-    #: ``append``/``pop`` are single steps under the GIL, so this needs no lock.  A slot enters
-    #: only after its domain left the name map, so nothing live can still reach it.
+    #: Released slots of evicted domains and dead tables, shared by all atomic tables of the
+    #: process.  ``append``/``pop`` are single steps under the GIL, so this needs no lock.  A
+    #: slot enters only after its domain left the name map and the C table retired its handle
+    #: (``_free_slot``), so a stale copy of it is refused from then on, even once its cell is
+    #: lent out again under a new handle.
     _FREE_SLOTS: list[int] = []
 
     def _take_slot(initial: int) -> int:
@@ -333,20 +347,24 @@ if _atomic is not None:
             slot = _FREE_SLOTS.pop()
         except IndexError:
             return _a_alloc(initial)
-        _a_store(slot, initial)
-        return slot
+        return _a_reclaim(slot, initial)
+
+    def _free_slot(slot: int) -> None:
+        _a_release(slot)
+        _FREE_SLOTS.append(slot)
 
     def _release_slots(slots: dict[str, int], floor_slot: int) -> None:
-        _FREE_SLOTS.extend(slots.values())
-        _FREE_SLOTS.append(floor_slot)
+        for slot in (*slots.values(), floor_slot):
+            _free_slot(slot)
 
     class _AtomicCounterTable:
         """Counters in the C atomic table; the name map is a dict; no lock anywhere."""
 
         backend: str = "atomic"
 
-        # The hot slot calls are the raw C functions: they validate, raise and return exactly
-        # what the protocol says, and any Python wrapper would cost more than the work.
+        # The hot slot calls are the raw C functions: they validate (a slot must be a live
+        # handle), raise and return exactly what the protocol says, and any Python wrapper
+        # would cost more than the work.
         load_slot = staticmethod(_a_load)
         reserve_slot = staticmethod(_a_reserve)
         advance_if_slot = staticmethod(_a_advance_if)
@@ -373,7 +391,7 @@ if _atomic is not None:
             fresh = _take_slot(_a_load(self._floor_slot))
             slot = self._slots.setdefault(domain, fresh)
             if slot != fresh:  # another thread created it first: give ours back
-                _FREE_SLOTS.append(fresh)
+                _free_slot(fresh)
             return slot
 
         def find(self, domain: str) -> int:
@@ -427,7 +445,7 @@ if _atomic is not None:
                 return None  # a concurrent evict won; it reports and frees the slot
             last = _a_load(slot)
             _a_fetch_max(self._floor_slot, min(last + 1, MAX_VALUE))
-            _FREE_SLOTS.append(slot)
+            _free_slot(slot)
             return last
 
         def __len__(self) -> int:

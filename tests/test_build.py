@@ -73,7 +73,8 @@ def test_stress_driver_under_sanitizer(tmp_path: Path, sanitizer: str) -> None:
 
 
 def test_generated_wrappers_keep_the_gil(tmp_path: Path) -> None:
-    """Preprocess the cffi output: no wrapper may call PyEval_SaveThread (release the GIL)."""
+    """Preprocess the cffi output: no wrapper may call PyEval_SaveThread (release the GIL), and
+    every int argument is converted by the shim's converter."""
     sys.path.insert(0, str(ROOT))
     try:
         import build_ffi
@@ -100,6 +101,10 @@ def test_generated_wrappers_keep_the_gil(tmp_path: Path) -> None:
             # The shim raises by setting an exception; the wrapper must then return NULL.
             after_call = body.split(f"result = {name}(", 1)[1].split("pyresult =", 1)[0]
             assert "if (PyErr_Occurred() !=" in after_call and "return" in after_call, name
+            # Every argument goes through the shim's clamping converter, not cffi's own (which
+            # raises OverflowError for an int outside int64 before the shim can name it).
+            for arg in re.findall(r"\b(arg\d)\b", body):
+                assert f"efpy_to_int64({arg})" in body, (name, arg)
 
 
 # --- installs into a fresh virtual environment ------------------------------------------------

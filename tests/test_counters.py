@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -209,8 +211,128 @@ def test_messages_name_the_problem(table: CounterTable) -> None:
         table.advance_if("d", -1)
     with pytest.raises(OverflowError, match="2\\*\\*63-2"):
         table.compare_exchange("d", 0, 2**63 - 1)
-    with pytest.raises(ValueError, match="never allocated"):
+    with pytest.raises(ValueError, match="is not live"):
         table.load_slot(10**12)
+
+
+# --- parity: the same bad input is refused the same way by both tables ------------------------
+
+I64 = 2**63  # first int past int64: the C shim gets it clamped, the pure table sees it as is
+
+
+@dataclass
+class Scene:
+    """A table with a live domain "e" at 3, and slots it must refuse although they once were,
+    or elsewhere are, real slots."""
+
+    t: CounterTable
+    other: CounterTable  # another table of the same backend, with a live domain "o"
+    evicted: int  # a slot of a domain this table evicted
+    reused: int  # a slot of an evicted domain whose storage a new domain took over
+    other_evicted: int  # a slot of a domain another table evicted
+    dead: int  # a slot of a table that was garbage-collected
+
+    def snapshot(self) -> object:
+        return snapshot(self.t), snapshot(self.other)
+
+
+def make_scene(name: str) -> Scene:
+    dead_table = make(name)
+    dead = dead_table.slot("z")
+    del dead_table
+    gc.collect()  # its finalizer frees its slots (atomic: back to the process-wide free list)
+    t, other = make(name), make(name)
+    for _ in range(3):
+        t.reserve("e")
+    evicted = t.slot("gone")
+    t.evict("gone")
+    reused = t.slot("was")
+    t.evict("was")
+    t.slot("now")  # the atomic table lends the evicted cell out again, under a new handle
+    other.reserve("o")
+    other_evicted = other.slot("x")
+    other.evict("x")
+    return Scene(t, other, evicted, reused, other_evicted, dead)
+
+
+SceneCall = Callable[[Scene], object]
+#: (id, call, exception, message fragment).  Every row raised a different exception type, or
+#: none at all, on the atomic table before: cffi refused an int outside int64 with
+#: OverflowError before the shim could name it, and the C table took any allocated index.
+PARITY_CALLS: list[tuple[str, SceneCall, type[Exception], str]] = [
+    # slots outside int64 are slots that were never handed out: ValueError
+    ("load_slot 2**63", lambda s: s.t.load_slot(I64), ValueError, "is not live"),
+    ("load_slot -2**63-1", lambda s: s.t.load_slot(-I64 - 1), ValueError, "is not live"),
+    ("reserve_slot 2**64", lambda s: s.t.reserve_slot(2**64), ValueError, "is not live"),
+    ("reserve_slot -2**70", lambda s: s.t.reserve_slot(-(2**70)), ValueError, "is not live"),
+    ("advance_if_slot 2**63", lambda s: s.t.advance_if_slot(I64, 0), ValueError, "is not live"),
+    # a bad slot is reported before a bad value, as before
+    ("advance_if_slot both", lambda s: s.t.advance_if_slot(-I64 - 1, I64), ValueError, "slot"),
+    # values outside int64: negative is ValueError, past the maximum is OverflowError
+    (
+        "advance_if_slot exp -2**63-1",
+        lambda s: s.t.advance_if_slot(s.t.find("e"), -I64 - 1),
+        ValueError,
+        "expected must be >= 0",
+    ),
+    (
+        "advance_if_slot exp 2**64",
+        lambda s: s.t.advance_if_slot(s.t.find("e"), 2**64),
+        OverflowError,
+        "expected .* exceeds the counter maximum",
+    ),
+    ("advance_if exp -2**64", lambda s: s.t.advance_if("e", -(2**64)), ValueError, "expected"),
+    ("cas exp -2**63-1", lambda s: s.t.compare_exchange("e", -I64 - 1, 1), ValueError, "expected"),
+    ("cas new -2**64", lambda s: s.t.compare_exchange("e", 3, -(2**64)), ValueError, "new must"),
+    ("cas new 2**63", lambda s: s.t.compare_exchange("e", 3, I64), OverflowError, "new .* exceeds"),
+    ("cas both", lambda s: s.t.compare_exchange("e", I64, -I64 - 1), OverflowError, "expected"),
+    ("cas new domain", lambda s: s.t.compare_exchange("n", -(2**64), 1), ValueError, "expected"),
+    # slots this table never handed out, or no longer holds
+    ("bare index 0", lambda s: s.t.reserve_slot(0), ValueError, "is not live"),
+    ("bare index 1", lambda s: s.t.load_slot(1), ValueError, "is not live"),
+    ("bool slot", lambda s: s.t.reserve_slot(True), ValueError, "is not live"),
+    ("live slot + 1", lambda s: s.t.reserve_slot(s.t.find("e") + 1), ValueError, "is not live"),
+    ("evicted reserve", lambda s: s.t.reserve_slot(s.evicted), ValueError, "is not live"),
+    ("evicted load", lambda s: s.t.load_slot(s.evicted), ValueError, "is not live"),
+    ("evicted advance", lambda s: s.t.advance_if_slot(s.evicted, 0), ValueError, "is not live"),
+    ("reused reserve", lambda s: s.t.reserve_slot(s.reused), ValueError, "is not live"),
+    ("reused load", lambda s: s.t.load_slot(s.reused), ValueError, "is not live"),
+    ("reused advance", lambda s: s.t.advance_if_slot(s.reused, 0), ValueError, "is not live"),
+    ("other evicted", lambda s: s.t.reserve_slot(s.other_evicted), ValueError, "is not live"),
+    ("dead table", lambda s: s.t.reserve_slot(s.dead), ValueError, "is not live"),
+    ("dead table load", lambda s: s.t.load_slot(s.dead), ValueError, "is not live"),
+]
+
+
+@pytest.mark.parametrize(
+    ("what", "call", "error", "message"), PARITY_CALLS, ids=[c[0] for c in PARITY_CALLS]
+)
+@pytest.mark.parametrize("name", TABLES)
+def test_both_tables_refuse_the_same_way(
+    name: str, what: str, call: SceneCall, error: type[Exception], message: str
+) -> None:
+    """Same exception type (the one the contract names) on both tables; nothing changes."""
+    scene = make_scene(name)
+    before = scene.snapshot()
+    with pytest.raises(error, match=message):
+        call(scene)
+    assert scene.snapshot() == before
+
+
+def test_live_slot_of_another_table(table: CounterTable) -> None:
+    """The one documented difference: the C slot calls do not know their table, so a live slot
+    of another atomic table acts on *that* table's counter; the pure table refuses it.  Either
+    way this table's counters are untouched."""
+    other = make(table.backend)
+    foreign = other.slot("o")
+    table.reserve("e")
+    before = snapshot(table)
+    if table.backend == "pure":
+        with pytest.raises(ValueError, match="is not live"):
+            table.reserve_slot(foreign)
+    else:
+        assert table.reserve_slot(foreign) == 1 and other.load("o") == 1
+    assert snapshot(table) == before
 
 
 # --- both tables agree on random operation sequences ------------------------------------------
@@ -227,16 +349,32 @@ OPS = st.one_of(
     st.tuples(st.just("advance_if_slot"), DOMAINS, VALUES),
     st.tuples(st.just("compare_exchange"), DOMAINS, VALUES, VALUES),
     st.tuples(st.just("evict"), DOMAINS),
+    # the slot this domain had when last looked up: stale once the domain was evicted
+    st.tuples(st.just("remembered"), st.sampled_from(["load_slot", "reserve_slot"]), DOMAINS),
+    st.tuples(st.just("remembered"), st.just("advance_if_slot"), DOMAINS, VALUES),
     st.tuples(st.just("floor")),
     st.tuples(st.just("len")),
     st.tuples(st.just("domains")),
 )
 
 
-def apply(t: CounterTable, op: tuple[object, ...]) -> object:
-    """Run one op; exceptions become their type name so both tables can be compared."""
+def apply(t: CounterTable, op: tuple[object, ...], seen: dict[str, int] | None = None) -> object:
+    """Run one op; exceptions become their type name so both tables can be compared.
+
+    ``seen`` remembers each domain's last slot, for the "remembered" ops.
+    """
     name, *args = op
+    seen = {} if seen is None else seen
     try:
+        if name == "remembered":
+            method, domain, *rest = args
+            if domain not in seen:
+                return "never seen"
+            return getattr(t, str(method))(seen[str(domain)], *rest)
+        if name in ("find_ok", "slot", "reserve_slot", "advance_if_slot"):
+            slot = t.find(str(args[0]))
+            if slot >= 0:
+                seen[str(args[0])] = slot
         if name == "find_ok":
             return t.find(str(args[0])) >= 0
         if name in ("reserve_slot", "advance_if_slot"):
@@ -249,7 +387,7 @@ def apply(t: CounterTable, op: tuple[object, ...]) -> object:
         if name == "domains":
             return sorted(t.domains())
         if name == "slot":
-            t.slot(str(args[0]))
+            seen[str(args[0])] = t.slot(str(args[0]))
             return None
         return getattr(t, str(name))(*args)
     except (TypeError, ValueError, OverflowError) as exc:
@@ -261,8 +399,35 @@ def apply(t: CounterTable, op: tuple[object, ...]) -> object:
 @given(st.lists(OPS, max_size=60))
 def test_atomic_and_pure_agree(ops: list[tuple[object, ...]]) -> None:
     atomic, pure = make("atomic"), make("pure")
+    seen_atomic: dict[str, int] = {}
+    seen_pure: dict[str, int] = {}
     for op in ops:
-        assert apply(atomic, op) == apply(pure, op), op
+        assert apply(atomic, op, seen_atomic) == apply(pure, op, seen_pure), op
+    assert snapshot(atomic) == snapshot(pure)
+
+
+FEW_DOMAINS = st.sampled_from(["a", "b"])
+#: Slot lifecycles: look up, evict, re-create, then use the slot remembered from before.
+SLOT_OPS = st.one_of(
+    st.tuples(st.just("slot"), FEW_DOMAINS),
+    st.tuples(st.just("evict"), FEW_DOMAINS),
+    st.tuples(st.just("reserve"), FEW_DOMAINS),
+    st.tuples(st.just("remembered"), st.sampled_from(["load_slot", "reserve_slot"]), FEW_DOMAINS),
+    st.tuples(st.just("remembered"), st.just("advance_if_slot"), FEW_DOMAINS, VALUES),
+)
+
+
+@pytest.mark.skipif(counters.AtomicCounterTable is None, reason="C extension not built")
+@settings(max_examples=200, deadline=None)
+@given(st.lists(SLOT_OPS, max_size=30))
+def test_stale_slots_agree(ops: list[tuple[object, ...]]) -> None:
+    """A slot kept past its domain's eviction is refused by both tables, even once the atomic
+    table lent its cell to a new domain; a live one works the same on both."""
+    atomic, pure = make("atomic"), make("pure")
+    seen_atomic: dict[str, int] = {}
+    seen_pure: dict[str, int] = {}
+    for op in ops:
+        assert apply(atomic, op, seen_atomic) == apply(pure, op, seen_pure), op
     assert snapshot(atomic) == snapshot(pure)
 
 
