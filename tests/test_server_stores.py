@@ -579,6 +579,43 @@ def test_pg_a_dead_connection_of_the_callers_pool_is_store_unavailable() -> None
         drop_pg_schema(schema)
 
 
+@pytest.mark.parametrize("step", ["prepare", "commit", "abort", "release", "renew"])
+def test_pg_a_write_refused_as_read_only_is_store_unavailable(
+    pg: Any, monkeypatch: pytest.MonkeyPatch, step: str
+) -> None:
+    """A standby after a failover refuses writes (SQLSTATE 25006). The statement applied
+    nothing, but psycopg raises it as InternalError, which escaped every step untyped:
+    the driver then neither retried its commit nor told its caller the effect ran (found
+    by review). Each step is store_unavailable now, the record is as it was, and the
+    same step goes through once the server takes writes again."""
+    fence = EffectFence(store=pg)
+    ticket = fence.prepare(req()).ticket
+    real = pg._execute
+
+    def standby(conn: Any, query: Any, params: Any) -> Any:
+        conn.execute("SET default_transaction_read_only = on")
+        try:
+            return real(conn, query, params)
+        finally:
+            conn.execute("SET default_transaction_read_only = off")
+
+    calls: dict[str, Callable[[], Any]] = {
+        "prepare": lambda: fence.prepare(req("charge:2")),
+        "commit": lambda: fence.commit(ticket, "r"),
+        "abort": lambda: fence.abort(ticket, "unsure"),
+        "release": lambda: fence.release(ticket),
+        "renew": lambda: fence.renew(ticket),
+    }
+    monkeypatch.setattr(pg, "_execute", standby)
+    with pytest.raises(StoreUnavailable, match="read-only"):
+        calls[step]()
+    monkeypatch.setattr(pg, "_execute", real)
+    rec = pg.get("charge:1")
+    assert rec is not None and rec.state is State.IN_FLIGHT and rec.token == ticket.token
+    assert pg.get("charge:2") is None
+    calls[step]()  # nothing was applied: the same step goes through
+
+
 def test_pg_a_claim_that_finds_a_record_reads_it_without_a_lock(pg: Any) -> None:
     """PostgreSQL is put-first: prepare claims as if the slot were empty, so every replay
     and every duplicate is a claim that finds a record. Locking that row (FOR UPDATE, as a

@@ -118,6 +118,14 @@ _F = ", ".join(RECORD_FIELDS)
 _FOUND = RECORD_FIELDS[1:]
 #: deadlock or serialization failure: the transaction was rolled back, safe to run again
 _RETRY_SQLSTATES = {"40P01", "40001"}
+#: the server refused the statement, whose transaction it rolled back, so nothing applied:
+#: read-only (a standby after a failover or switchover, default_transaction_read_only),
+#: lock or object busy, and the classes insufficient resources (53: disk full, out of
+#: memory, too many connections), operator intervention (57: cancel, statement timeout,
+#: shutdown, starting up) and system error (58: I/O). psycopg raises some of these as
+#: InternalError or NotSupportedError, which escaped untyped (found by review)
+_REFUSED_SQLSTATES = frozenset({"25006", "55P03", "55006"})
+_REFUSED_CLASSES = ("53", "57", "58")
 _TUPLES_OK = pq.ExecStatus.TUPLES_OK
 _MAX_RETRIES = 5
 #: a listener whose connect failed is started again at most this often (waiters poll)
@@ -845,6 +853,9 @@ class PostgresStore(FenceStore):
                     if exc.sqlstate in _RETRY_SQLSTATES and attempt + 1 < _MAX_RETRIES:
                         continue
                     if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
+                        raise self._unavailable(op, exc) from exc
+                    state = exc.sqlstate or ""
+                    if state in _REFUSED_SQLSTATES or state.startswith(_REFUSED_CLASSES):
                         raise self._unavailable(op, exc) from exc
                     raise
         raise AssertionError("unreachable")
