@@ -215,6 +215,8 @@ def test_records_lists_by_state_and_domain(store: FenceStore) -> None:
     assert {r.intent for r in store.records(states=[State.DONE, State.FAILED])} == {"b", "c"}
     assert {r.intent for r in store.records(domain="d1")} == {"a", "b"}
     assert len(list(store.records(limit=2))) == 2
+    # none at all: Redis appended the first match before it looked at the limit (review)
+    assert list(store.records(limit=0)) == list(store.records(limit=-1)) == []
     (done,) = store.records(states=[State.DONE])
     assert done.cert is not None and done.cert.verify()
     assert view(store.get("a")) == view(a)

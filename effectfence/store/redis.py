@@ -1060,6 +1060,9 @@ class RedisStore(FenceStore):
     ) -> Iterator[IntentRecord]:
         """A SCAN of the prefix, sorted by intent (O(keys): for operators)."""
 
+        if limit <= 0:
+            return  # as every store: none (the first match was listed before the check)
+
         def fetch() -> list[IntentRecord]:
             cut = len(self._p) + 3
             names = sorted(k[cut:].decode() for k in self._scan("i"))
