@@ -491,6 +491,8 @@ class EffectFence:
                             self._auto_sweep(now)
                     else:
                         self._auto_sweep(now)
+                        # it may have removed what the claim found: decide on what is there
+                        seen = False
             if outcome is APPLIED:
                 return self._admit(request, fp, args_json, step, action is _TAKEOVER)
             if outcome is STALE:

@@ -516,6 +516,22 @@ def test_g8_auto_sweep_bounds_memory(make_fence: FenceFactory, clock: FakeClock)
     assert fence.stats()["reclaimed"] > 1500
 
 
+def test_g8_a_due_sweep_that_removes_what_the_claim_found_is_observed_again(
+    make_fence: FenceFactory, clock: FakeClock
+) -> None:
+    """On a store that claims first (PostgreSQL, Redis), the sweep that fell due ran after
+    the claim had found a lapsed record, and the decision was then made on that record
+    although the sweep had just removed it: an intent_conflict where every other store,
+    which sweeps before it reads, answered fresh (found by a differential run). The fence
+    observes again after such a sweep, so every store answers alike."""
+    fence = make_fence(lease_ttl=1.0, result_ttl=1.0, lapsed_grace=0, auto_sweep=True)
+    fence.prepare(req(args={"cents": 1}))  # held, then abandoned: its holder died
+    clock.advance(fence.config.sweep_interval + 5.0)  # past its reclaim, and a sweep is due
+    adm = fence.prepare(req(args={"cents": 2}))  # other args: a conflict only while it lives
+    assert adm.fresh
+    assert fence.stats()["reclaimed"] == 1
+
+
 # -- G9 unknown stays fenced ---------------------------------------------------------------------
 
 
