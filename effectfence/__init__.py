@@ -16,6 +16,7 @@ the other way round; importing ``effectfence`` never imports ``mcp``.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -100,14 +101,21 @@ __all__ = [
 ]
 
 _default: EffectFence | None = None
+_default_lock = threading.Lock()
 
 
 def default_fence() -> EffectFence:
-    """The process-wide fence the functional API uses when none is passed."""
+    """The process-wide fence the functional API uses when none is passed. Made once under
+    a lock: two threads' first calls each made a fence of its own, and both were admitted
+    for the same intent (found by review)."""
     global _default
-    if _default is None:
-        _default = EffectFence()
-    return _default
+    fence = _default
+    if fence is None:
+        with _default_lock:
+            fence = _default
+            if fence is None:
+                fence = _default = EffectFence()
+    return fence
 
 
 def prepare_effect_fence(

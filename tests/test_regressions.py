@@ -344,3 +344,44 @@ def test_request_object_is_not_shared_state(fence: EffectFence) -> None:
     args["amt"] = 500  # the caller edits its dict after prepare
     cert = fence.commit(t, {})
     assert cert.args == {"amt": 5} and cert.verify()
+
+
+# -- the library surface (second review) ------------------------------------------------------
+
+
+def test_the_default_fence_is_made_once_when_threads_first_use_it_together(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two threads' first functional-API calls each made a default fence, and both were
+    admitted for the same intent: the effect ran twice and both commits went through."""
+    import contextlib
+    import threading
+
+    import effectfence
+
+    monkeypatch.setattr(effectfence, "_default", None)
+    made = threading.Barrier(2, timeout=5)
+
+    class Switching(EffectFence):  # a thread switch inside the constructor, forced
+        def __init__(self, *args: Any, **kw: Any) -> None:
+            with contextlib.suppress(threading.BrokenBarrierError):
+                made.wait(timeout=0.5)  # only one thread may ever get here
+            super().__init__(*args, **kw)
+
+    monkeypatch.setattr(effectfence, "EffectFence", Switching)
+    ran: list[int] = []
+    start = threading.Barrier(2, timeout=5)
+
+    def caller() -> None:
+        start.wait()
+        adm = effectfence.prepare_effect_fence("charge:1", "order:1", "charge", {"cents": 5})
+        if adm.fresh:
+            ran.append(1)
+            effectfence.commit_effect_cert(adm.ticket, {"ok": True})
+
+    threads = [threading.Thread(target=caller) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert ran == [1]
