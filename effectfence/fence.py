@@ -981,7 +981,9 @@ class EffectFence:
             with self._waiters_lock:
                 w.count -= 1
                 if w.count == 0 and self._waiters.get(intent) is w:
-                    del self._waiters[intent]
+                    # _wake pops without this lock (a transition must not wait on it): its
+                    # pop may land between the check and here, found by review (KeyError)
+                    self._waiters.pop(intent, None)
 
     # -- conveniences -----------------------------------------------------------------------------
     def request(

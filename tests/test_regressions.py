@@ -385,3 +385,43 @@ def test_the_default_fence_is_made_once_when_threads_first_use_it_together(
     for t in threads:
         t.join()
     assert ran == [1]
+
+
+def test_a_wake_between_the_waiters_check_and_its_removal_is_no_error() -> None:
+    """A waiter leaving ``wait`` checks that its entry is still there, then removes it;
+    ``_wake`` (a commit in another thread) pops entries without the waiters' lock. One
+    landing between the two made ``wait`` raise a bare KeyError at the duplicate, where
+    it should have answered that the intent is no longer in flight."""
+    import threading
+
+    fence = EffectFence(FenceConfig(lease_ttl=30))
+    ticket = fence.prepare(EffectRequest("i", "d", "t", {})).ticket
+    waiter: list[threading.Thread] = []
+
+    class Waiters(dict[str, Any]):
+        checks = 0
+
+        def get(self, key: str, default: Any = None) -> Any:
+            got = super().get(key, default)
+            if threading.current_thread() is waiter[0]:
+                Waiters.checks += 1
+                if Waiters.checks == 2:  # wait()'s check before it removes its entry
+                    committer = threading.Thread(target=fence.commit, args=(ticket, 1))
+                    committer.start()  # its _wake pops the entry right here
+                    committer.join()
+            return got
+
+    fence._waiters = Waiters()
+    out: list[Any] = []
+
+    def wait() -> None:
+        try:
+            out.append(fence.wait("i", 0.01))
+        except BaseException as exc:  # noqa: BLE001 - the defect was an exception here
+            out.append(exc)
+
+    waiter.append(threading.Thread(target=wait))
+    waiter[0].start()
+    waiter[0].join()
+    assert out == [False]  # timed out while still in flight: the commit came after that
+    assert fence.wait("i", 0.0) is True  # and the waiters' table is whole
