@@ -417,7 +417,7 @@ def test_a_wake_between_the_waiters_check_and_its_removal_is_no_error() -> None:
     def wait() -> None:
         try:
             out.append(fence.wait("i", 0.01))
-        except BaseException as exc:  # noqa: BLE001 - the defect was an exception here
+        except BaseException as exc:  # the defect was an exception here
             out.append(exc)
 
     waiter.append(threading.Thread(target=wait))
