@@ -142,6 +142,9 @@ EVENT_BUCKETS = (
 )
 
 
+_CLOCK_OF_A_GIVEN_STORE = "config.clock is for the memory store; a given store has its own"
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FenceConfig:
     """How long leases and results live, how the fence judges time, and its limits."""
@@ -288,7 +291,7 @@ class EffectFence:
                 kw["counters"] = new_table(cfg.counters)
             store = memory_store(**kw)  # the C store when it is built (store.cmemory)
         elif cfg.clock is not None:
-            raise ValueError("config.clock is for the memory store; a given store has its own")
+            raise ValueError(_CLOCK_OF_A_GIVEN_STORE)
         self.store = store
         self._lease_ttl = float(cfg.lease_ttl)
         self._result_ttl = float(cfg.result_ttl)
@@ -327,7 +330,14 @@ class EffectFence:
         cfg = config or FenceConfig()
         if is_memory_url(url):
             return cls(cfg)
-        return cls(cfg, store=open_store(url, **options))
+        if cfg.clock is not None:  # refused before the store is opened: a refusal makes nothing
+            raise ValueError(_CLOCK_OF_A_GIVEN_STORE)
+        store = open_store(url, **options)
+        try:
+            return cls(cfg, store=store)
+        except BaseException:
+            store.close()  # refused: its connections were left open (found by review)
+            raise
 
     def close(self) -> None:
         """Release the store's connections."""

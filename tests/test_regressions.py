@@ -425,3 +425,11 @@ def test_a_wake_between_the_waiters_check_and_its_removal_is_no_error() -> None:
     waiter[0].join()
     assert out == [False]  # timed out while still in flight: the commit came after that
     assert fence.wait("i", 0.0) is True  # and the waiters' table is whole
+
+
+def test_from_url_refusing_a_config_creates_nothing(tmp_path: Any) -> None:
+    """``from_url`` opened (and so created) the store before the fence refused the config
+    (a clock, which only the memory store takes), and left its connections open."""
+    with pytest.raises(ValueError, match=r"config\.clock"):
+        EffectFence.from_url(f"sqlite:///{tmp_path}/fence.db", FenceConfig(clock=lambda: 0.0))
+    assert list(tmp_path.iterdir()) == []
