@@ -166,6 +166,10 @@ def drive(
             raise
         try:
             yield from _again(settle)
+        except GeneratorExit:  # closed while riding out an outage: one last attempt, no yield
+            with contextlib.suppress(Refusal):
+                settle()
+            raise
         except Refusal as refused:
             # the caller hears its own exception, not "nothing was decided" (which would
             # invite a retry of an effect that may have fired), nor lease_lost (a retry
@@ -192,14 +196,28 @@ def drive(
         raise
     except Refusal:
         raise  # the fence's own answer (lease_lost, read_set_stale, a store that stayed down)
-    except Exception as exc:
-        # An error no step should raise (a store's untyped error, a bug): the effect RAN,
-        # and the commit may or may not have applied. Left in flight, the intent would be
-        # run again by an identical call once its lease lapsed. An abort compares by token:
-        # it fences the intent if the commit did not apply, and changes nothing if it did.
-        reason = f"it ran; its commit failed with {type(exc).__name__}"
-        with contextlib.suppress(Exception):
-            yield from _again(functools.partial(fence.abort, ticket, reason))
+    except BaseException as exc:
+        # An error no step should raise (a store's untyped error, a bug), or an interrupt
+        # (Ctrl-C, a SIGTERM handler's SystemExit, the driver closed mid-retry): the effect
+        # RAN, and the commit may or may not have applied. Left in flight, the intent would
+        # be run again by an identical call once its lease lapsed (interrupts were left so,
+        # found by review). An abort compares by token: it fences the intent if the commit
+        # did not apply, and changes nothing if it did.
+        reason = (
+            "it ran; its caller was interrupted before its commit"
+            if isinstance(exc, GeneratorExit)  # closed by run_sync/run_async on an interrupt
+            else f"it ran; its commit failed with {type(exc).__name__}"
+        )
+        abort = functools.partial(fence.abort, ticket, reason)
+        if isinstance(exc, Exception):
+            with contextlib.suppress(Exception):
+                yield from _again(abort)
+        else:  # interrupted or closed: record it once (a commit is safe to repeat), else
+            try:  # fence it once; now, without a yield
+                fence.commit(ticket, result)
+            except Exception:
+                with contextlib.suppress(Exception):
+                    abort()
         raise
     return FencedCall(result, cert, True)
 
@@ -258,12 +276,15 @@ def run_sync(
     try:
         instr = next(gen)
         while True:
-            if isinstance(instr, Wait):
-                fence.wait(instr.intent, instr.timeout)
-                instr = next(gen)
-                continue
-            if isinstance(instr, Pause):
-                time.sleep(instr.seconds)
+            if isinstance(instr, Wait | Pause):
+                try:
+                    if isinstance(instr, Wait):
+                        fence.wait(instr.intent, instr.timeout)
+                    else:
+                        time.sleep(instr.seconds)
+                except BaseException:
+                    gen.close()  # interrupted between steps: settled now, not when collected
+                    raise
                 instr = next(gen)
                 continue
             stop = _renew_in_thread(fence, instr.ticket, instr.renew_every)
@@ -322,12 +343,15 @@ async def run_async(
 
     finished, instr = await step("send")
     while not finished:
-        if isinstance(instr, Wait):
-            await _wait_in_thread(fence, instr.intent, instr.timeout)
-            finished, instr = await step("send")
-            continue
-        if isinstance(instr, Pause):
-            await asyncio.sleep(instr.seconds)
+        if isinstance(instr, Wait | Pause):
+            try:
+                if isinstance(instr, Wait):
+                    await _wait_in_thread(fence, instr.intent, instr.timeout)
+                else:
+                    await asyncio.sleep(instr.seconds)
+            except BaseException:
+                gen.close()  # cancelled between steps: settled now (the driver is idle here)
+                raise
             finished, instr = await step("send")
             continue
         task = _renew_in_task(fence, instr.ticket, instr.renew_every, off_loop)

@@ -289,3 +289,59 @@ def test_an_abort_through_a_short_outage_fences_the_intent(
     with pytest.raises(TimeoutError):
         run_sync(fence, req(), Options(), effect)
     assert fence.intent_status("charge:1").state == "failed"
+
+
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
+@pytest.mark.parametrize("where", ["in the commit step", "in the commit's retry pause"])
+def test_an_interrupt_after_the_effect_ran_never_leaves_it_in_flight(
+    monkeypatch: pytest.MonkeyPatch, interrupt: type[BaseException], where: str
+) -> None:
+    """Ctrl-C, or a SIGTERM handler's SystemExit, landing after the effect ran (in the
+    commit, or while the commit rides out an outage) left the intent in flight, and once
+    its lease lapsed an identical call ran the effect again (found by review). The driver
+    now records it once more on the way out, or else fences it."""
+    monkeypatch.setattr("effectfence.driver.COMMIT_RETRY_PAUSES", (5.0,))
+    store = Flaky(complete=0 if where == "in the commit step" else 1)  # 1: an outage first
+    fence = EffectFence(store=store)
+    if where == "in the commit step":
+        real = store.complete
+
+        def complete(*args: Any, **kw: Any) -> Any:
+            store.complete = real  # type: ignore[method-assign]  # once
+            raise interrupt()
+
+        store.complete = complete  # type: ignore[method-assign]
+    else:
+
+        def sleep(seconds: float) -> None:
+            raise interrupt()  # the signal lands while the driver waits to commit again
+
+        monkeypatch.setattr("effectfence.driver.time.sleep", sleep)
+    runs: list[int] = []
+    with pytest.raises(interrupt):
+        run_sync(fence, req(), Options(), lambda t: runs.append(1) or "charged")
+    assert runs == [1]
+    assert fence.intent_status("charge:1").state == "done"  # recorded on the way out
+    again = fence.prepare(req())
+    assert not again.fresh and again.cert.result == "charged"
+
+
+def test_an_interrupt_when_nothing_can_be_recorded_fences_the_intent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same interrupt with a store that stays down at commit: the one commit on the
+    way out fails too, and the one abort after it fences the intent."""
+    monkeypatch.setattr("effectfence.driver.COMMIT_RETRY_PAUSES", (5.0,))
+    store = Flaky(complete=100)
+
+    def sleep(seconds: float) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("effectfence.driver.time.sleep", sleep)
+    fence = EffectFence(store=store)
+    with pytest.raises(KeyboardInterrupt):
+        run_sync(fence, req(), Options(), lambda t: "charged")
+    assert store.calls["complete"] == 2  # the failed one, then the one on the way out
+    status = fence.intent_status("charge:1")
+    assert status.state == "failed" and status.reason is not None
+    assert "it ran" in status.reason and "interrupted" in status.reason
