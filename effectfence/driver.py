@@ -534,9 +534,15 @@ def _renew_in_task(
     ticket: PreparedEffect,
     every: float | None,
     off_loop: Callable[..., Awaitable[Any]] | None,
-) -> asyncio.Task[None] | None:
+) -> asyncio.Task[None] | threading.Event | None:
     if every is None:
         return None
+    if off_loop is asyncio.to_thread:
+        # renewed from a thread of its own: through the loop's default executor, renewals
+        # queued behind the effects' own blocking calls (to_thread) that had filled it,
+        # and leases lapsed mid-effect (found by review). An Offloader's threads run
+        # store steps only: no effect can fill them.
+        return _renew_in_thread(fence, ticket, every)
     period = every
 
     async def beat() -> None:
@@ -557,8 +563,10 @@ def _renew_in_task(
     return asyncio.get_running_loop().create_task(beat())
 
 
-def _stop_task(task: asyncio.Task[None] | None) -> None:
-    if task is not None:
+def _stop_task(task: asyncio.Task[None] | threading.Event | None) -> None:
+    if isinstance(task, threading.Event):
+        task.set()
+    elif task is not None:
         task.cancel()
 
 

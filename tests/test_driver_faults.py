@@ -345,3 +345,22 @@ def test_an_interrupt_when_nothing_can_be_recorded_fences_the_intent(
     status = fence.intent_status("charge:1")
     assert status.state == "failed" and status.reason is not None
     assert "it ran" in status.reason and "interrupted" in status.reason
+
+
+async def test_renewals_are_not_queued_behind_the_effects_own_threads() -> None:
+    """A store that blocks (offload) was renewed through the loop's default executor; an
+    effect calling its blocking SDK with ``asyncio.to_thread`` fills that same executor,
+    so the renewals waited behind the very effects they kept alive and the leases lapsed
+    mid-effect (found by review). Here the executor has one worker, the effect holds it
+    until it has seen a renewal, and a renewal must come meanwhile."""
+    import concurrent.futures
+
+    asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(1))
+    store = Flaky()
+    fence = EffectFence(store=store)
+
+    async def effect(ticket: Any) -> bool:
+        return await asyncio.to_thread(store.renewed.wait, 5.0)  # the SDK call, blocking
+
+    done = await run_async(fence, req(), Options(renew_every=0.01), effect, offload=True)
+    assert done.fresh and done.cert.result is True  # renewed while the effect held the worker
