@@ -73,6 +73,14 @@ def fenced(
     the lease, then returns the holder's result or raises its refusal. ``renew_every``
     renews the lease in the background while a long function runs.
     """
+    if args is not None and not callable(args):
+        # names (as wrap's intent_args takes) were accepted here and failed at the first
+        # call with "'tuple' object is not callable" (found by review)
+        raise TypeError(
+            f"args must be a callable taking the bound arguments as keywords and returning "
+            f"the payload, e.g. args=lambda self, order_id: {{'order_id': order_id}}; got "
+            f"{type(args).__name__}"
+        )
     lease = fence.config.lease_ttl
     if wait_timeout is None:
         wait_timeout = lease / 2
