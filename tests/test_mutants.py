@@ -51,6 +51,11 @@ def test_table_is_documented() -> None:
     for m in MUTANTS:
         assert f"`{m.name}`" in doc, m.name
         assert m.killers[0] in doc, m.killers[0]
+    # the counts the prose gives (the README's drifted from 41 to "38", found by review)
+    in_c = sum(m.name.startswith("c-") for m in MUTANTS)
+    assert f"the {in_c} mutants of\nC code" in doc
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    assert f"{len(MUTANTS)} named\n  mutants" in readme
 
 
 @pytest.fixture(scope="module")

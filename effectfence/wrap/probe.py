@@ -86,12 +86,19 @@ def main(argv: list[str] | None = None) -> int:
         prog="effectfence probe",
         description="Fire N identical concurrent tool calls at a stdio MCP server and report "
         "how many distinct effects came back (a double-fire detector).",
-        usage="effectfence probe --tool NAME [--args JSON] [--calls N] [--json] -- CMD [ARGS...]",
+        usage="effectfence probe --tool NAME [--args JSON] [--calls N] [--timeout S] [--json] "
+        "-- CMD [ARGS...]",
     )
     parser.add_argument("--tool", required=True, help="the tool to call")
     parser.add_argument("--args", default="{}", metavar="JSON", help="its arguments (an object)")
     parser.add_argument("--calls", type=int, default=12, metavar="N", help="how many (12)")
-    parser.add_argument("--timeout", type=float, default=60.0, metavar="S")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="how long the server may take to start and to answer each call (60)",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     opts = parser.parse_args(ours)
     if not cmd:

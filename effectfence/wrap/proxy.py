@@ -1543,7 +1543,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="effectfence wrap",
         description="Serve a stdio MCP server's tools through the fence: identical "
         "side-effecting calls run once; duplicates get the recorded result.",
-        usage="effectfence wrap [--policy FILE] [--store URL] [--allow-clear] -- CMD [ARGS...]",
+        usage="effectfence wrap [--policy FILE] [--store URL] [--namespace NAME] [--allow-clear] "
+        "-- CMD [ARGS...]",
     )
     parser.add_argument("--policy", metavar="FILE", help="TOML policy (see docs/wrap.md)")
     parser.add_argument(
@@ -1552,7 +1553,9 @@ def main(argv: list[str] | None = None) -> int:
         help="where the ledger lives (default: $EFFECTFENCE_STORE, else one SQLite file in "
         "the user's state directory; memory: for none)",
     )
-    parser.add_argument("--namespace", help="scope of intents (default: from the command)")
+    parser.add_argument(
+        "--namespace", metavar="NAME", help="scope of intents (default: from the command)"
+    )
     parser.add_argument(
         "--allow-clear",
         action="store_true",
