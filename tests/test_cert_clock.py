@@ -235,3 +235,54 @@ def test_no_domain_history_makes_its_tickets_too_large_to_hand_out() -> None:
     assert adm.fresh and len(adm.ticket.vector_clock) == MAX_TICKET_AGENTS
     assert len(signer.seal(adm.ticket)) < 2 << 20  # well within the 4 MiB
     assert fence.commit(adm.ticket, 1).vector_clock["bob"] == 1
+
+
+def test_a_chain_whose_clocks_order_nothing_is_checked_in_linear_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Certificates whose clocks order none of the others (anyone may send such a chain
+    to fence_verify) made the check compare every pair and list every pair: 10,000 took a
+    minute and hundreds of MB on the server's loop (found by review). Comparisons are now
+    at most MAX_OPEN_OVERLAPS per certificate, the list at most MAX_REPORTED_OVERLAPS
+    pairs, and the report says it is incomplete; links and hashes are checked in full."""
+    import effectfence.cert as cert_module
+    from effectfence.cert import MAX_OPEN_OVERLAPS, MAX_REPORTED_OVERLAPS
+
+    n = 4 * MAX_OPEN_OVERLAPS
+    chain, parent = [], None
+    for i in range(n):
+        c = EffectCert(
+            intent=f"i{i}", parent=parent, domain="d", seq=i + 1, tool="t", args={},
+            result=None, vector_clock={}, read_set=[], agent="a",
+        )  # fmt: skip
+        chain.append(c)
+        parent = c.hash
+    compared = 0
+    real = cert_module._happened_before
+
+    def counted(a: Any, b: Any) -> bool:
+        nonlocal compared
+        compared += 1
+        return real(a, b)
+
+    monkeypatch.setattr(cert_module, "_happened_before", counted)
+    report = verify_chain(chain)
+    assert report.ok and report.length == n
+    assert compared <= n * MAX_OPEN_OVERLAPS  # was n * (n - 1) / 2
+    assert len(report.concurrent) == MAX_REPORTED_OVERLAPS and not report.concurrent_complete
+    assert report.concurrent[0] == (0, 1)  # the first overlaps, listed exactly
+    tampered = [*chain[:-1], EffectCert.from_dict({**chain[-1].to_dict(), "result": 1})]
+    assert verify_chain(tampered).broken_at == n - 1  # the last link is still checked
+
+
+def test_a_chain_of_a_few_overlaps_is_reported_complete() -> None:
+    a = EffectCert(
+        intent="a", parent=None, domain="d", seq=1, tool="t", args={}, result=None,
+        vector_clock={"x": 1}, read_set=[], agent="x",
+    )  # fmt: skip
+    b = EffectCert(
+        intent="b", parent=None, domain="d", seq=2, tool="t", args={}, result=None,
+        vector_clock={"y": 1}, read_set=[], agent="y",
+    )  # fmt: skip
+    report = verify_chain([a, b])
+    assert report.ok and report.concurrent == ((0, 1),) and report.concurrent_complete

@@ -19,10 +19,10 @@ from mcp_support import PAYLOAD_KEYS, connect, req
 from mcp_types import CallToolResult
 from support import FakeClock
 
-from effectfence import EffectFence, EffectRequest, FenceConfig
+from effectfence import EffectCert, EffectFence, EffectRequest, FenceConfig
 from effectfence.errors import StoreUnavailable
 from effectfence.fence import MAX_CLEAR_TEXT
-from effectfence.mcp.models import CertModel, CommitOutput, PrepareOutput
+from effectfence.mcp.models import MAX_VERIFY_CHAIN, CertModel, CommitOutput, PrepareOutput
 from effectfence.mcp.server import STDIO_CLEARER, build_server, main
 from effectfence.mcp.telemetry import Metrics
 from effectfence.operator.views import clear_view
@@ -678,6 +678,12 @@ async def test_malformed_prepare_arguments_get_a_clear_error_and_change_nothing(
         assert "tok_visa" not in payload["message"]
 
 
+_ONE_CERT = EffectCert(
+    intent="i", parent=None, domain="d", seq=1, tool="t", args={}, result=None,
+    vector_clock={}, read_set=[], agent="a",
+).to_dict()  # fmt: skip
+
+
 async def test_malformed_commit_arguments_leave_the_ticket_usable() -> None:
     fence = EffectFence()
     server = build_server(fence)
@@ -709,6 +715,8 @@ async def test_malformed_commit_arguments_leave_the_ticket_usable() -> None:
             ("fence_stats", {"verbose": True}),
             ("fence_verify", {}),
             ("fence_verify", {"cert": {"hash": "x"}}),
+            # longer than one call checks on the server's loop (review): the CLI's work
+            ("fence_verify", {"chain": [_ONE_CERT] * (MAX_VERIFY_CHAIN + 1)}),
         ):
             refusal(await client.call_tool(tool, args), "invalid_request")
             assert snapshot(fence, "charge:1") == before, (tool, args)

@@ -95,6 +95,8 @@ def print_report(report: TrailReport, out: TextIO, *, as_json: bool) -> None:
     if report.concurrent:
         pairs = ", ".join(f"{a}~{b}" for a, b in report.concurrent[:20])
         more = "" if len(report.concurrent) <= 20 else f" (+{len(report.concurrent) - 20})"
+        if not report.concurrent_complete:
+            more += " (and more, not listed)"
         print(f"overlapping attempts (not damage): {pairs}{more}", file=out)
 
 

@@ -56,6 +56,7 @@ class TrailReport:
     tampered: list[int] = field(default_factory=list)
     gaps: list[tuple[int, int]] = field(default_factory=list)
     concurrent: list[tuple[int, int]] = field(default_factory=list)
+    concurrent_complete: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -70,6 +71,7 @@ class TrailReport:
             "tampered": list(self.tampered),
             "gaps": [list(g) for g in self.gaps],
             "concurrent": [list(c) for c in self.concurrent],
+            "concurrent_complete": self.concurrent_complete,
         }
 
 
@@ -178,7 +180,11 @@ def check_trail(
             return broken(i, f"seq {c.seq} comes after seq {seqs[i - 1]}: not in seq order")
     report = verify_chain(certs, outside=outside)
     pairs = getattr(report, "concurrent", ())  # reported by the DAG-aware chain check
-    found = replace(found, concurrent=[(seqs[i], seqs[j]) for i, j in pairs])
+    found = replace(
+        found,
+        concurrent=[(seqs[i], seqs[j]) for i, j in pairs],
+        concurrent_complete=report.concurrent_complete,
+    )
     if report.ok:
         return found
     at = report.broken_at if report.broken_at is not None else 0
