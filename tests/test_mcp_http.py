@@ -8,6 +8,7 @@ metrics and the decision log say what happened, never with the args.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import signal
@@ -704,6 +705,69 @@ async def test_an_oversized_body_is_answered_in_json_rpc(server: HttpServer) -> 
         call["params"]["arguments"]["args"] = {"pad": "x"}
         r = await http.post(server.url, json=call, headers=headers)
         assert r.status_code == 200 and '"fresh"' in r.text, r.text[:200]
+
+
+def test_a_chunked_body_declaring_a_small_length_is_judged_as_chunked(server: HttpServer) -> None:
+    """A body sent chunked with a small Content-Length as well is read by its chunks; the
+    gate trusted the length, so past the bound the SDK answered its plain-text 413, which
+    no MCP client reads as an error (found by review). It is the JSON-RPC error now."""
+    import socket
+
+    host, port = server.base.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT) as sock:
+        sock.sendall(
+            f"POST /mcp HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            f"Authorization: Bearer {TOKENS['alice']}\r\n"
+            "Accept: application/json, text/event-stream\r\nContent-Type: application/json\r\n"
+            "Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+        )
+        chunk = b"x" * (1 << 20)
+        with contextlib.suppress(OSError):  # the server may answer and close mid-body
+            for _ in range(MAX_BODY // len(chunk) + 1):
+                sock.sendall(b"%x\r\n" % len(chunk) + chunk + b"\r\n")
+            sock.sendall(b"0\r\n\r\n")
+        got = b""
+        with contextlib.suppress(OSError):
+            while data := sock.recv(65536):
+                got += data
+                if b"\r\n\r\n" in got and b"}" in got.partition(b"\r\n\r\n")[2]:
+                    break
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert b" 413 " in head.split(b"\r\n")[0], head
+    assert b"application/json" in head.lower(), (head, body[:80])
+    assert json.loads(body.decode())["error"]["code"] == -32600
+
+
+async def test_one_principal_cannot_take_every_session() -> None:
+    """The SDK bounds sessions only all together (10,000, kept 30 minutes idle): one
+    principal opening that many locked every other principal out of new sessions (found
+    by review). Each principal may hold SESSIONS_PER_PRINCIPAL (here 2); past that a new
+    session is refused 429 and nothing else changes, other principals open theirs, and
+    ending one makes room."""
+    fence = EffectFence()
+    principals = Principals.parse(f"alice {TOKENS['alice']}\nbob {TOKENS['bob']}\n")
+    app = build_app(
+        build_server(fence),
+        fence,
+        Metrics(),
+        host="127.0.0.1",
+        principals=principals,
+        sessions_per_principal=2,
+    )
+    async with _in_process(app) as base, httpx.AsyncClient(timeout=TIMEOUT) as http:
+        url = base + "/mcp"
+        first = await _raw_session(http, url, TOKENS["alice"])
+        await _raw_session(http, url, TOKENS["alice"])
+        with pytest.raises(AssertionError, match="429"):
+            await _raw_session(http, url, TOKENS["alice"])
+        r = await http.post(
+            url, json={}, headers={**MCP_HEADERS, "Authorization": f"Bearer {TOKENS['alice']}"}
+        )
+        assert r.status_code == 429 and r.json()["error"] == "too_many_sessions"
+        await _raw_session(http, url, TOKENS["bob"])  # bob is not locked out
+        assert (await http.delete(url, headers=first)).status_code == 200
+        await _raw_session(http, url, TOKENS["alice"])  # room again
+    assert fence.stats()["attempts"] == 0
 
 
 async def test_http_survives_bytes_no_client_would_send(server: HttpServer) -> None:

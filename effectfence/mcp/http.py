@@ -47,7 +47,7 @@ import socket
 import stat
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -92,6 +92,10 @@ CONSOLE_PATH = "/console"
 DEFAULT_HOST = "127.0.0.1"
 #: a plain token shorter than this is refused: it could be guessed
 MIN_TOKEN_LENGTH = 16
+#: sessions one principal may hold open at once. The SDK bounds all sessions together
+#: (10,000, each kept 30 minutes idle), so one principal opening that many locked every
+#: other principal out of new sessions for half an hour (found by review)
+SESSIONS_PER_PRINCIPAL = 256
 HEALTH_TIMEOUT = 5.0
 #: seconds a /healthz probe of the store is reused for
 HEALTH_FRESH = 1.0
@@ -386,6 +390,13 @@ def _json(data: dict[str, Any]) -> bytes:
     return json.dumps(data, separators=(",", ":")).encode()
 
 
+def _client_id(owner: Any) -> Any:
+    """The principal of a session's owner, as the SDK records it (a TypedDict today)."""
+    return (
+        owner.get("client_id") if isinstance(owner, Mapping) else getattr(owner, "client_id", None)
+    )
+
+
 class _Gate:
     """Authentication, health and metrics in front of the SDK's app (see the module doc)."""
 
@@ -398,9 +409,14 @@ class _Gate:
         principals: Principals | None,
         security: TransportSecuritySettings,
         console: Console | None = None,
+        sessions: Callable[[], Mapping[str, Any]] | None = None,
+        sessions_per_principal: int = SESSIONS_PER_PRINCIPAL,
     ) -> None:
         self.app = app
         self.fence = fence
+        #: the SDK's open sessions (id -> the credential that opened it), for the cap
+        self.sessions = sessions
+        self.sessions_per_principal = sessions_per_principal
         self.metrics = metrics
         self.principals = principals
         self.security = TransportSecurityMiddleware(security)
@@ -465,6 +481,19 @@ class _Gate:
                 "user": self._user(principal),
                 "auth": AuthCredentials(),
             }
+            if (
+                scope["method"] == "POST"
+                and b"mcp-session-id" not in headers
+                and self._sessions_of(principal) >= self.sessions_per_principal
+            ):
+                body = {
+                    "error": "too_many_sessions",
+                    "message": f"principal {principal!r} has {self.sessions_per_principal} "
+                    "sessions open, as many as one may: end some (HTTP DELETE with their "
+                    "mcp-session-id) or reuse one; idle ones end after 30 minutes",
+                }
+                await _respond(send, 429, _json(body))
+                return
         if path == METRICS_PATH:
             await self._metrics(send)
             return
@@ -475,13 +504,22 @@ class _Gate:
             return
         if scope["method"] == "POST":
             declared = headers.get(b"content-length", b"")
-            if declared.isdigit():
+            # a chunked body is read as chunked whatever length it declares: only a plain
+            # body's Content-Length can be judged here (found by review)
+            if declared.isdigit() and b"transfer-encoding" not in headers:
                 if int(declared) > MAX_MCP_BODY:
                     await _respond(send, 413, _TOO_LARGE)
                     return
             else:  # chunked: the SDK counts as it reads, and answers in plain text
                 send = _json_413(send)
         await self.app(scope, receive, send)
+
+    def _sessions_of(self, principal: str) -> int:
+        """How many of the SDK's open sessions ``principal`` opened (a new session is rare:
+        counting them all is cheap next to opening one)."""
+        if self.sessions is None:
+            return 0
+        return sum(1 for owner in self.sessions().values() if _client_id(owner) == principal)
 
     def _user(self, principal: str) -> AuthenticatedUser:
         """The SDK's view of a principal, made once; it never holds the token itself."""
@@ -612,6 +650,7 @@ def build_app(
     principals: Principals | None,
     allowed_hosts: Iterable[str] = (),
     console: Console | None = None,
+    sessions_per_principal: int = SESSIONS_PER_PRINCIPAL,
 ) -> ASGIApp:
     """The ASGI app ``serve_http`` runs: the gate around the SDK's streamable HTTP app, and
     ``console`` (see :func:`console_for`) at ``/console`` if given."""
@@ -629,6 +668,7 @@ def build_app(
         json_response=True,
         max_request_body_size=MAX_MCP_BODY,
     )
+    manager = server.session_manager
     return _Gate(
         app,
         fence=fence,
@@ -636,6 +676,10 @@ def build_app(
         principals=principals,
         security=security,
         console=console,
+        # the SDK keeps no count per credential: read its table of owners (a private
+        # name, so a version without it gets no cap rather than an error)
+        sessions=lambda: getattr(manager, "_session_owners", None) or {},
+        sessions_per_principal=sessions_per_principal,
     )
 
 
