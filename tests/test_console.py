@@ -159,6 +159,43 @@ def test_answers_leave_without_waiting_for_an_ack(console: ConsoleServer) -> Non
     assert status == 200 and seen and seen[0] != 0
 
 
+@pytest.mark.parametrize(
+    ("framing", "status"),
+    [
+        (b"Content-Length: -1\r\n", b" 400 "),
+        (b"Content-Length: 1e3\r\n", b" 400 "),
+        (b"Transfer-Encoding: chunked\r\n", b" 411 "),
+        (b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n", b" 411 "),
+    ],
+)
+def test_a_body_the_console_cannot_bound_is_refused_before_it_is_read(
+    fence: EffectFence, framing: bytes, status: bytes
+) -> None:
+    """Before any login: a negative length read until the client closed (past MAX_BODY,
+    holding a thread for as long as the client liked), and a chunked body went unread and
+    was parsed as the next request (found by review). Each is refused at once, and the
+    connection closed, with the client still sending."""
+    import socket
+
+    from effectfence.mcp.http import Principals
+
+    server = serve(fence, principals=Principals.parse(f"ops {TOKEN}"))
+    server.start(every=5.0)
+    try:
+        host, port = server.server_address[:2]
+        with socket.create_connection((host, port), timeout=10) as sock:
+            sock.sendall(
+                b"POST /api/clear HTTP/1.1\r\nHost: 127.0.0.1\r\n" + framing + b"\r\n"
+                + b"x" * 1024
+            )  # fmt: skip
+            answer = b""
+            while chunk := sock.recv(65536):  # ends: the server closes the connection
+                answer += chunk
+        assert status in answer.split(b"\r\n", 1)[0], answer[:200]
+    finally:
+        server.stop()
+
+
 def test_with_tokens_every_page_needs_them(fence: EffectFence) -> None:
     from effectfence.mcp.http import Principals
 

@@ -707,16 +707,35 @@ class ConsoleServer(ThreadingHTTPServer):
         self.server_close()
 
 
+#: seconds a console connection may sit without sending what its request needs
+HANDLER_TIMEOUT = 30.0
+
+
 class _Handler(BaseHTTPRequestHandler):
     server: ConsoleServer
     protocol_version = "HTTP/1.1"
     # Headers and body leave in two writes; with Nagle on, the body of every answer on a
     # kept-alive connection would wait for the browser's delayed ACK (~40 ms).
     disable_nagle_algorithm = True
+    # a client that stops sending (mid-headers or mid-body) lets its thread go after this
+    timeout = HANDLER_TIMEOUT
 
     def _serve(self, method: str) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
+        # Judged before anything is read, and before authentication (found by review):
+        # "-1" read until the client closed, past MAX_BODY and for as long as it liked, and
+        # a chunked body went unread and was then parsed as the next request.
+        if self.headers.get("Transfer-Encoding") is not None:
+            self.close_connection = True
+            self.send_error(HTTPStatus.LENGTH_REQUIRED, "send the body with a Content-Length")
+            return
+        declared = (self.headers.get("Content-Length") or "0").strip()
+        if not declared.isdigit():
+            self.close_connection = True
+            self.send_error(HTTPStatus.BAD_REQUEST, "Content-Length must be a whole number")
+            return
+        length = int(declared)
         if length > MAX_BODY:
+            self.close_connection = True
             self.send_error(HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
             return
         body = self.rfile.read(length) if length else b""
