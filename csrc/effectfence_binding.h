@@ -76,7 +76,10 @@ static int64_t efpy_to_int64(PyObject *o) {
         }
         return (int64_t)v;
     }
-    return (int64_t)_cffi_to_c_i64(o);
+    /* Not through cffi's conversion, which takes __int__: Fraction(1, 2) became 0 and the
+     * operation went ahead, where the pure table refuses anything but an int (review). */
+    PyErr_SetString(PyExc_TypeError, "counter arguments must be ints");
+    return -1;
 }
 #undef _cffi_to_c_int
 #define _cffi_to_c_int(o, type) \

@@ -219,7 +219,9 @@ class PureCounterTable:
 
     def load(self, domain: str) -> int | None:
         slot = self.find(domain)
-        return None if slot < 0 else self._values[slot]
+        # .get: evicted since find() (a lock-free reader, the memory store's current(),
+        # meets it; found by review): absent, as the C table answers
+        return None if slot < 0 else self._values.get(slot)
 
     def load_slot(self, slot: int) -> int:
         try:
@@ -373,7 +375,9 @@ if _atomic is not None:
             self._slots: dict[str, int] = {}
             # The floor is itself a C counter, raised with an atomic max on eviction.
             self._floor_slot = _take_slot(0)
-            weakref.finalize(self, _release_slots, self._slots, self._floor_slot)
+            # not at exit: atexit hooks and daemon threads still use tables then (the
+            # process's token and stats slots among them), found by review
+            weakref.finalize(self, _release_slots, self._slots, self._floor_slot).atexit = False
 
         def __repr__(self) -> str:
             return f"AtomicCounterTable(domains={len(self._slots)}, floor={self.floor()})"
@@ -407,7 +411,12 @@ if _atomic is not None:
 
         def load(self, domain: str) -> int | None:
             slot = self.find(domain)
-            return None if slot < 0 else _a_load(slot)
+            if slot < 0:
+                return None
+            try:
+                return _a_load(slot)
+            except ValueError:  # evicted since find(), lock-free readers meet it: absent
+                return None
 
         def reserve(self, domain: str) -> int:
             slot = self._slots.get(domain) if type(domain) is str else None

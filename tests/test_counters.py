@@ -9,6 +9,8 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from decimal import Decimal
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -301,6 +303,17 @@ PARITY_CALLS: list[tuple[str, SceneCall, type[Exception], str]] = [
     ("other evicted", lambda s: s.t.reserve_slot(s.other_evicted), ValueError, "is not live"),
     ("dead table", lambda s: s.t.reserve_slot(s.dead), ValueError, "is not live"),
     ("dead table load", lambda s: s.t.load_slot(s.dead), ValueError, "is not live"),
+    # values that are not ints: cffi took __int__ (Fraction(1, 2) became 0) and acted, and
+    # compare_exchange swapped while it answered that it had not (found by review)
+    (
+        "advance_if_slot Fraction",
+        lambda s: s.t.advance_if_slot(s.t.find("e"), Fraction(1, 2)),
+        TypeError,
+        "int",
+    ),
+    ("advance_if Decimal", lambda s: s.t.advance_if("e", Decimal(3)), TypeError, "int"),
+    ("cas Fraction", lambda s: s.t.compare_exchange("e", Fraction(1, 2), 7), TypeError, "int"),
+    ("cas new Decimal", lambda s: s.t.compare_exchange("e", 3, Decimal(7)), TypeError, "int"),
 ]
 
 
@@ -317,6 +330,47 @@ def test_both_tables_refuse_the_same_way(
     with pytest.raises(error, match=message):
         call(scene)
     assert scene.snapshot() == before
+
+
+def test_load_of_a_domain_evicted_after_its_slot_was_found_is_absent(table: CounterTable) -> None:
+    """The memory store's current() reads without a lock and retries a read that crossed an
+    eviction; load() found the slot, the eviction killed it, and the read raised (not live,
+    or KeyError) out of current() instead of answering (found by review)."""
+    table.reserve("d")
+    real_find = table.find
+
+    def find_then_evicted(domain: str) -> int:
+        table.find = real_find  # type: ignore[method-assign]  # once
+        slot = real_find(domain)
+        table.evict(domain)  # the eviction lands between find() and the read
+        return slot
+
+    table.find = find_then_evicted  # type: ignore[method-assign]
+    assert table.load("d") is None  # absent, as the table now says
+
+
+@pytest.mark.skipif(counters.AtomicCounterTable is None, reason="C extension not built")
+def test_atomic_slots_live_through_interpreter_exit(tmp_path: Path) -> None:
+    """The tables' finalizers ran at exit and killed every slot, the process's token slot
+    among them, while atexit hooks registered earlier and daemon threads still used them
+    (found by review)."""
+    script = tmp_path / "exit.py"
+    script.write_text(
+        "import atexit\n"
+        "from effectfence import EffectFence, EffectRequest\n"
+        "fence = None\n"
+        "def late():\n"
+        "    fence.prepare(EffectRequest('late', 'd', 't', {}, 'a'))\n"
+        "    print('late prepare ok')\n"
+        "atexit.register(late)  # before any table: it runs after their finalizers would\n"
+        "fence = EffectFence()\n"
+        "fence.prepare(EffectRequest('early', 'd', 't', {}, 'a'))\n"
+    )
+    env = {**os.environ, "EFFECTFENCE_COUNTERS": "atomic"}
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert "late prepare ok" in out.stdout, out.stderr[-2000:]
 
 
 def test_live_slot_of_another_table(table: CounterTable) -> None:
