@@ -810,3 +810,61 @@ async def test_a_cancel_after_the_child_died_starts_no_child_for_it(
     assert "result" in await h.answer(h.send("ping"))  # a request starts the next child
     assert h.proxy.stats.child_starts == starts + 1
     assert await h.stop() == 0
+
+
+# -- found by the second review of wrap ------------------------------------------------------
+
+
+async def test_a_fenced_call_whose_arguments_are_no_object_is_refused_not_relayed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Relayed as it came, such a call ran unfenced in a child that reads `arguments or
+    {}`: three identical calls, three charges."""
+    h = Harness(tmp_path, monkeypatch)
+    await h.start()
+    for _ in range(3):
+        answer = await h.answer(h.send("tools/call", {"name": "charge", "arguments": []}))
+        assert answer["error"]["code"] == -32602, answer
+    assert h.ledger() == []
+    assert await h.stop() == 0
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        ("refund_\u00e9", "refund_\\xe9"),  # escaped, it is the other's name
+        ("\u652f\u4ed8" * 17 + "_A", "\u652f\u4ed8" * 17 + "_B"),  # alike for 200 escaped
+        ("x" * 200 + "_charge", "x" * 200 + "_refund"),  # alike for 200 characters
+    ],
+    ids=["escape", "cjk", "long"],
+)
+async def test_two_tools_whose_labels_agree_are_two_intents(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, first: str, second: str
+) -> None:
+    """The tool's name in the intent was its escaped form cut at 200 characters: two
+    tools could share an intent, and the second never ran but was answered the first's
+    result as a replay."""
+    h = Harness(tmp_path, monkeypatch)
+    await h.start()
+    for name in (first, second):
+        answer = await h.answer(h.send("tools/call", {"name": name, "arguments": {"order": 1}}))
+        assert not mark(answer).get("replayed"), (name, mark(answer))
+    assert len(h.ledger()) == 2
+    assert await h.stop() == 0
+
+
+async def test_arguments_nested_past_64_are_fenced_as_the_docs_say(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The intent's digest used the encoder's default depth (64), so arguments the fence
+    takes (up to 512 deep, as docs/wrap.md says) were refused and never ran."""
+    h = Harness(tmp_path, monkeypatch)
+    await h.start()
+    tree: Any = []
+    for _ in range(100):
+        tree = [tree]
+    call = {"name": "charge", "arguments": {"order": 1, "tree": tree}}
+    assert text(await h.answer(h.send("tools/call", call))) == "charged"
+    assert mark(await h.answer(h.send("tools/call", call)))["replayed"] is True
+    assert len(h.ledger()) == 1
+    assert await h.stop() == 0

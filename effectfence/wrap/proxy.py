@@ -213,6 +213,18 @@ def _ascii(text: str) -> str:
     return text if text.isascii() else text.encode("ascii", "backslashreplace").decode()
 
 
+def _tool_label(name: str) -> str:
+    """A tool's name in its intents and domain: the name itself when it is short ASCII,
+    else its escaped, cut form and a digest of the name. The escaped form alone let
+    `refund_é` and a tool literally named `refund_\\xe9`, or two names alike for their
+    first 200 characters, share intents: the second never ran and was answered the first
+    one's result (found by review)."""
+    label = _ascii(name)[:200]
+    if label == name:
+        return name
+    return f"{label}~{hashlib.sha256(name.encode('utf-8', 'surrogatepass')).hexdigest()[:16]}"
+
+
 def _is_modern(params: Any) -> bool:
     meta = params.get("_meta") if isinstance(params, dict) else None
     return isinstance(meta, dict) and PROTOCOL_KEY in meta
@@ -1065,10 +1077,12 @@ class Proxy:
                     "arguments"
                 )
         try:
-            digest = hashlib.sha256(canonical_bytes(named)).hexdigest()[:40]
+            # the fence's own limits: the default depth (64) refused calls the fence takes
+            canonical = canonical_bytes(named, max_depth=MAX_DEPTH, max_bytes=MAX_ARGS_BYTES)
         except CanonicalError as exc:
             raise InvalidRequest(f"the arguments can't be fenced: {exc}") from exc
-        tool = _ascii(name)[:200]
+        digest = hashlib.sha256(canonical).hexdigest()[:40]
+        tool = _tool_label(name)
         if tp.domain is None:
             domain = f"{self.namespace}:{tool}"
         else:
@@ -1097,7 +1111,12 @@ class Proxy:
         if args is None:
             args = {}
         if not isinstance(args, dict):
-            await self._forward(line, cid, msg)  # malformed: the child answers it
+            # refused, never relayed: a child that reads `arguments or {}` ran every such
+            # call of a fenced tool, unfenced (found by review)
+            self._forget_call(cid, call)
+            self._client_error(
+                cid, -32602, f"effectfence wrap: `{name}`'s arguments must be an object"
+            )
             return
         try:
             request = self.request_for(name, args, tp)
