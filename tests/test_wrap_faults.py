@@ -868,3 +868,46 @@ async def test_arguments_nested_past_64_are_fenced_as_the_docs_say(
     assert mark(await h.answer(h.send("tools/call", call)))["replayed"] is True
     assert len(h.ledger()) == 1
     assert await h.stop() == 0
+
+
+async def test_a_cancel_of_a_call_waiting_for_the_restarted_child_still_reaches_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cancel that comes while no child runs is dropped (what it names died with the
+    last one), but a pass-through call still on its way to the next child is not dead:
+    dropping its cancel ran it regardless (found by review of that change)."""
+    policy = Policy.from_dict({"tools": {"charge": {"fence": False}}})
+    h = Harness(tmp_path, monkeypatch, policy=policy)
+    await h.start()
+    first = h.proxy.child
+    assert first is not None
+    first.proc.kill()
+    async with asyncio.timeout(BOUND):
+        while h.proxy.child is not None:
+            await asyncio.sleep(0.01)
+    gate, held = asyncio.Event(), asyncio.Event()
+    real = asyncio.create_subprocess_exec
+
+    async def gated(*args: Any, **kw: Any) -> Any:
+        held.set()
+        await gate.wait()  # the next child starts only when the test says
+        return await real(*args, **kw)
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", gated)
+    to_child: list[bytes] = []
+    write = Child.write
+    monkeypatch.setattr(
+        Child, "write", lambda self, data: (to_child.append(data), write(self, data))[1]
+    )
+    rid = h.send("tools/call", {"name": "charge", "arguments": {"order": 1}})
+    async with asyncio.timeout(BOUND):
+        await held.wait()  # the call waits for the next child
+    cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": rid}}
+    handled = asyncio.ensure_future(h.proxy.on_client_line(json.dumps(cancel).encode()))
+    await asyncio.sleep(0)  # it decides (drop, or wait for the child) before its first wait
+    gate.set()
+    await handled
+    reached = any(b"notifications/cancelled" in data for data in to_child)
+    await h.answer(h.send("ping"))
+    assert await h.stop() == 0
+    assert reached, "the cancel never reached the child"

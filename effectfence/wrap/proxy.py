@@ -393,6 +393,8 @@ class Proxy:
         self._listing_names: set[str] = set()
         self.own_names = {role: f"effectfence_{role}" for role in _OWN_TOOLS}
         self.calls: dict[Any, _Call] = {}
+        #: client request ids on their way to a child (it may be starting): id -> how many
+        self._sending: dict[Any, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.closing = False
         self.fatal: str | None = None
@@ -637,9 +639,10 @@ class Proxy:
                     return
                 if self._cancel_listing(params.get("requestId"), msg):
                     return
-                if self.child is None:
+                if self.child is None and params.get("requestId") not in self._sending:
                     # what it cancels died with the last child (its client was told so):
-                    # starting a new child only to hand it this would be all it did
+                    # starting a new child only to hand it this would be all it did. A
+                    # request still on its way to the next child keeps its cancel (review)
                     return
                 self._forget_relayed(params.get("requestId"))  # and relayed as it came
             elif method == "notifications/initialized":
@@ -709,6 +712,8 @@ class Proxy:
     async def _forward(self, line: bytes, cid: Any, msg: dict[str, Any] | None = None) -> None:
         """Relay the client's bytes as they came (stripped of 2026-era keys for a
         handshake-era child); remember request ids the child now owes an answer."""
+        if cid is not None:
+            self._sending[cid] = self._sending.get(cid, 0) + 1  # a cancel must still reach it
         try:
             child = await self.ensure_child()
             if msg is not None and self.era == "legacy" and _strip_modern(msg) is not None:
@@ -729,6 +734,11 @@ class Proxy:
         except ChildGone as exc:
             if cid is not None:
                 self._client_error(cid, -32603, f"effectfence wrap: {exc}")
+        finally:
+            if cid is not None:
+                left = self._sending.pop(cid, 1) - 1
+                if left:
+                    self._sending[cid] = left
 
     def _forget_call(self, cid: Any, call: _Call) -> None:
         if self.calls.get(cid) is call:
