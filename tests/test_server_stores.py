@@ -1591,3 +1591,38 @@ def test_client_clock_jumps_can_neither_steal_nor_keep_a_lease(
     other.commit(taken.ticket, "b")
     holder.close()
     other.close()
+
+
+@pytest.mark.parametrize("kind", ["pg", "redis"])
+def test_a_password_in_the_query_is_never_shown(kind: str) -> None:
+    """libpq and redis-py take ``?password=``: it was shown in full by ``info``,
+    ``describe()``, ``repr`` and the console's label (found by review)."""
+    need(kind)
+    from effectfence.store import redact
+    from effectfence.store.base import mask_url
+
+    secret = "S3CRET-in-the-query"
+    name = unique_name("pgfault" if kind == "pg" else "t")
+    if kind == "pg":
+        url = with_query(PG_DSN, schema=name, password=secret)  # trust: any password does
+    else:
+        url = with_query(REDIS_URL, prefix=name, password=secret)  # no AUTH set: accepted
+    shown = [redact(url), mask_url(url)]
+    try:
+        store = open_store(url)
+        try:
+            shown += [repr(store), json.dumps(store.describe())]
+        finally:
+            store.close()
+        out = subprocess.run(
+            [sys.executable, "-m", "effectfence", "info", "--store", url],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        shown.append(out.stdout + out.stderr)
+    finally:
+        drop_pg_schema(name) if kind == "pg" else drop_redis_prefix(name)
+    assert all(secret not in text for text in shown), [t for t in shown if secret in t]
+    assert all("password=***" in text for text in shown[:2])
+    assert mask_url("host=h password='a b' dbname=d") == "host=h password=*** dbname=d"

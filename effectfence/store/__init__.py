@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from effectfence.store.base import FenceStore, Head, Outcome, Step, StoreMissing
+from effectfence.store.base import FenceStore, Head, Outcome, Step, StoreMissing, mask_url
 from effectfence.store.memory import MemoryStore
 
 __all__ = [
@@ -136,4 +136,5 @@ def redact(url: str) -> str:
     if at:
         name = user.split(":", 1)[0]
         netloc = f"{name}:***@{host}" if ":" in user else f"{name}@{host}"
-    return f"{word}://{netloc}/{path}" if path else f"{word}://{netloc}"
+    shown = f"{word}://{netloc}/{path}" if path else f"{word}://{netloc}"
+    return mask_url(shown)  # and ?password= and its like

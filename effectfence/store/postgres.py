@@ -79,6 +79,7 @@ from effectfence.store.base import (
     Head,
     Step,
     StoreMissing,
+    mask_url,
     settled,
 )
 from effectfence.store.codec import (
@@ -602,7 +603,7 @@ def _split_url(url: str) -> tuple[str, dict[str, str]]:
     parts = urlsplit(url)
     if parts.scheme.lower() not in ("postgresql", "postgres"):
         raise ValueError(
-            f"a PostgreSQL store URL looks like postgresql://user@host/db, got {_redact(url)!r}"
+            f"a PostgreSQL store URL looks like postgresql://user@host/db, got {mask_url(url)!r}"
         )
     ours: dict[str, str] = {}
     theirs: list[tuple[str, str]] = []
@@ -615,14 +616,6 @@ def _split_url(url: str) -> tuple[str, dict[str, str]]:
         (parts.scheme, parts.netloc, parts.path, urlencode(theirs), parts.fragment)
     )
     return conninfo, ours
-
-
-def _redact(conninfo: str) -> str:
-    parts = urlsplit(conninfo)
-    if parts.password is None:
-        return conninfo
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
 def _deadline(t: Any) -> float:
@@ -726,14 +719,14 @@ class PostgresStore(FenceStore):
                 else:
                     opts[key] = float(value)
             except ValueError:
-                raise ValueError(f"{key} in {_redact(url)} must be a number") from None
+                raise ValueError(f"{key} in {mask_url(url)} must be a number") from None
         opts.update(options)
         if "pool" in opts:
             return cls(**opts)
         return cls(conninfo, **opts)
 
     def __repr__(self) -> str:
-        return f"PostgresStore(url={_redact(self._conninfo)!r}, schema={self.schema!r})"
+        return f"PostgresStore(url={mask_url(self._conninfo)!r}, schema={self.schema!r})"
 
     # -- connections --------------------------------------------------------------------------
     def _open_pool(self) -> psycopg_pool.ConnectionPool[Any]:
@@ -756,7 +749,7 @@ class PostgresStore(FenceStore):
                 with contextlib.suppress(Exception):
                     pool.close()
             raise StoreUnavailable(
-                f"can't connect to PostgreSQL at {_redact(self._conninfo)}: {exc}",
+                f"can't connect to PostgreSQL at {mask_url(self._conninfo)}: {exc}",
                 operation="open",
             ) from exc
         return pool
@@ -1021,7 +1014,7 @@ class PostgresStore(FenceStore):
             }
         return {
             "store": self.name,
-            "url": _redact(self._conninfo),
+            "url": mask_url(self._conninfo),
             "schema": self.schema,
             "schema_version": SCHEMA_VERSION,
             "ticket_scope": self.ticket_scope,

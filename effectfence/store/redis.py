@@ -89,6 +89,7 @@ from effectfence.store.base import (
     Head,
     Step,
     StoreMissing,
+    mask_url,
     settled,
 )
 from effectfence.store.codec import (
@@ -546,14 +547,6 @@ class _Lost(Exception):
     """The connection broke while a script ran: it may or may not have applied."""
 
 
-def _redact(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
-
-
 def _refused(exc: BaseException) -> str | None:
     """The server's reply if it refused the command before running it (nothing applied),
     else None: a lost connection, or an error no one can say applied nothing."""
@@ -695,7 +688,7 @@ class RedisStore(FenceStore):
             if said is None and not isinstance(exc, _LOST):
                 raise
             raise StoreUnavailable(
-                f"can't open the Redis store at {_redact(self._url)}: {said or exc}",
+                f"can't open the Redis store at {mask_url(self._url)}: {said or exc}",
                 operation="open",
                 server_reply=said,
             ) from exc
@@ -725,7 +718,7 @@ class RedisStore(FenceStore):
                     theirs.append((k, v))
             except ValueError:
                 what = "true or false" if k == "allow_eviction" else "a number"
-                raise ValueError(f"{k} in {_redact(url)} must be {what}") from None
+                raise ValueError(f"{k} in {mask_url(url)} must be {what}") from None
         ours.update(options)
         if "client" in ours:
             return cls(**ours)
@@ -733,7 +726,7 @@ class RedisStore(FenceStore):
         return cls(rest, **ours)
 
     def __repr__(self) -> str:
-        return f"RedisStore(url={_redact(self._url)!r}, prefix={self.prefix!r})"
+        return f"RedisStore(url={mask_url(self._url)!r}, prefix={self.prefix!r})"
 
     # -- setup and durability -----------------------------------------------------------------
     def _init(self) -> str:
@@ -890,7 +883,7 @@ class RedisStore(FenceStore):
             )
             return
         raise StoreUnavailable(
-            f"refusing to open the Redis store at {_redact(self._url)}: {why}. Set "
+            f"refusing to open the Redis store at {mask_url(self._url)}: {why}. Set "
             "maxmemory-policy noeviction (or maxmemory 0) on the server, or give "
             "allow_eviction=true to accept that risk",
             operation="open",
@@ -908,7 +901,7 @@ class RedisStore(FenceStore):
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "store": self.name,
-            "url": _redact(self._url),
+            "url": mask_url(self._url),
             "prefix": self.prefix,
             "schema_version": SCHEMA_VERSION,
             "ticket_scope": self.ticket_scope,
@@ -1124,7 +1117,7 @@ class RedisStore(FenceStore):
         if self._evicting is not None:
             settings = self._durability
             raise StoreUnavailable(
-                f"can't claim {intent!r} on the Redis store at {_redact(self._url)}: since it "
+                f"can't claim {intent!r} on the Redis store at {mask_url(self._url)}: since it "
                 f"was opened, the server's settings changed: {self._evicting}. Nothing was "
                 "decided. Set maxmemory-policy noeviction (or maxmemory 0) on the server",
                 operation="claim",
