@@ -17,7 +17,7 @@ import pytest
 from mcp import Client
 from mcp_support import PAYLOAD_KEYS, connect, req
 from mcp_types import CallToolResult
-from support import FakeClock
+from support import REDIS_URL, FakeClock, drop_redis_prefix, need, unique_name
 
 from effectfence import EffectCert, EffectFence, EffectRequest, FenceConfig
 from effectfence.errors import StoreUnavailable
@@ -749,6 +749,24 @@ async def test_stats_report_buckets_backend_and_config() -> None:
     assert stats["server"]["clear_enabled"] is False
     assert stats["events"]["commits"] == 0
     assert stats["size"]["records"] == 1
+    assert stats["store_info"]["store"] == "memory"
+
+
+async def test_stats_say_whether_the_store_keeps_what_it_acknowledged() -> None:
+    """The docs promised the store's durability in the server's stats; fence_stats left
+    it out (found by review). On Redis it is the persistence settings and their verdict."""
+    need("redis")
+    prefix = unique_name("t")
+    fence = EffectFence.from_url(f"{REDIS_URL}?prefix={prefix}")
+    try:
+        async with connect(build_server(fence)) as client:
+            info = ok(await client.call_tool("fence_stats", {}))["store_info"]
+    finally:
+        fence.close()
+        drop_redis_prefix(prefix)
+    assert info["store"] == "redis"
+    assert info["durability"] == fence.store.durability()
+    assert "verdict" in info["durability"] and "appendonly" in info["durability"]
 
 
 async def test_verify_detects_tampering_and_broken_chains() -> None:

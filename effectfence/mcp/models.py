@@ -356,6 +356,12 @@ class StatsOutput(_Output):
     counters: str = Field(description="Counter table in use: atomic (C11) or pure (Python).")
     counters_info: dict[str, Any] = Field(description="Counter backend details.")
     size: dict[str, int] = Field(description="Records and domains held now.")
+    store_info: dict[str, Any] = Field(
+        default_factory=dict,
+        description="The store's own account of itself: where it is and its durability "
+        "settings (SQLite synchronous, PostgreSQL synchronous_commit, Redis persistence with "
+        "a verdict on whether acknowledged writes survive a crash).",
+    )
     server: ServerInfo = Field(description="This server's configuration.")
 
 

@@ -695,6 +695,9 @@ class _FenceTools:
             counters=s["counters"],
             counters_info=backend_info(),
             size=s["size"],
+            # said in the docs, missing until review: whether this store keeps what it
+            # acknowledged (Redis's persistence verdict above all)
+            store_info=self.fence.store.describe(),
             server=ServerInfo(
                 version=__version__,
                 lease_ttl=cfg.lease_ttl,
