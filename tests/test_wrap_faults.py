@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from effectfence.canonical import canonical_bytes
 from effectfence.errors import StoreUnavailable
 from effectfence.wrap.policy import Policy
 from effectfence.wrap.proxy import META_KEY, UNLISTED, Child, Proxy
@@ -911,3 +913,33 @@ async def test_a_cancel_of_a_call_waiting_for_the_restarted_child_still_reaches_
     await h.answer(h.send("ping"))
     assert await h.stop() == 0
     assert reached, "the cancel never reached the child"
+
+
+def test_the_default_scope_tells_servers_of_one_command_apart(tmp_path: Path) -> None:
+    """The default namespace was the command line alone: the same command with another
+    API key, database URL or relative data path was taken for the same server, so the
+    second's calls never ran and were answered the first's results (found by review)."""
+    from effectfence.wrap.proxy import default_namespace
+
+    argv = ["uvx", "mcp-server-stripe"]
+    same = default_namespace(argv, {"STRIPE_API_KEY": "sk_a", "SSH_AUTH_SOCK": "/tmp/1"}, "/")
+    # another key, another database: other servers
+    assert default_namespace(argv, {"STRIPE_API_KEY": "sk_b"}, "/") != same
+    assert default_namespace(argv, {"STRIPE_API_KEY": "sk_a", "DATABASE_URL": "x"}, "/") != same
+    # a restart in another login session, beside another wrapper's settings: the same one
+    session = {"STRIPE_API_KEY": "sk_a", "SSH_AUTH_SOCK": "/tmp/2", "TERM_SESSION_ID": "9"}
+    assert default_namespace(argv, {**session, "EFFECTFENCE_TICKET_KEY": "k" * 16}, "/") == same
+    # a command with nothing of the sort keeps the scope it had (its ledger is found again)
+    old = "cmd-" + hashlib.sha256(canonical_bytes(argv)).hexdigest()[:16]
+    assert default_namespace(argv, {"HOME": "/root", "PATH": "/bin"}, "/") == old
+    # a relative path in the arguments: the working directory is part of the server
+    for here in ("a", "b"):
+        (tmp_path / here).mkdir()
+        (tmp_path / here / "shop.db").touch()
+    rel = ["mcp-server-sqlite", "--db-path", "shop.db"]
+    assert default_namespace(rel, {}, str(tmp_path / "a")) != default_namespace(
+        rel, {}, str(tmp_path / "b")
+    )
+    assert default_namespace(["x", "--db=shop.db"], {}, str(tmp_path / "a")) != (
+        default_namespace(["x", "--db=shop.db"], {}, str(tmp_path / "b"))
+    )

@@ -49,11 +49,12 @@ import datetime
 import hashlib
 import json
 import os
+import re
 import secrets
 import stat
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -213,6 +214,48 @@ def _ascii(text: str) -> str:
     return text if text.isascii() else text.encode("ascii", "backslashreplace").decode()
 
 
+#: environment variables that configure a server: its keys and accounts, where its data
+#: lives. Two wrappers of one command that differ in any of these are two servers.
+_CONFIG_ENV = re.compile(
+    r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|URL|URI|DSN|DATABASE|_DB|DB_|ACCOUNT|"
+    r"PROJECT|TENANT|REGION|ENDPOINT|PROFILE|_DIR$|_PATH$|_FILE$",
+    re.IGNORECASE,
+)
+#: ... but not a desktop session's own, which change from one login to the next (a
+#: restarted wrapper must find its ledger again), nor the toolchain's search paths
+_SESSION_ENV = re.compile(
+    r"^(EFFECTFENCE_|VSCODE_|CURSOR_|ELECTRON_|GNOME_|KDE_|XDG_|DBUS_|SSH_|GPG_|GIT_|TERM|TMUX|"
+    r"KITTY_|"
+    r"ITERM_|WAYLAND_|__CF|WINDOWID$|DISPLAY$|XAUTHORITY$|SECURITYSESSIONID$|PATH$|"
+    r"MANPATH$|INFOPATH$|LD_LIBRARY_PATH$|DYLD_|PYTHONPATH$|NODE_PATH$|PWD$|OLDPWD$|HOME$)",
+    re.IGNORECASE,
+)
+
+
+def default_namespace(
+    argv: Sequence[str], env: Mapping[str, str] | None = None, cwd: str | None = None
+) -> str:
+    """The scope of a wrapped server's intents when none is set: its command line, the
+    environment variables that configure it (see :data:`_CONFIG_ENV`) and, when an
+    argument names a relative path, the working directory. The command line alone let two
+    servers started by one command with another API key, database URL or relative data
+    path share a ledger: the second's calls never ran and were answered the first's
+    results (found by review). A command with none of these keeps its earlier scope."""
+    env = os.environ if env is None else env
+    config = {k: v for k, v in env.items() if _CONFIG_ENV.search(k) and not _SESSION_ENV.match(k)}
+    here = os.getcwd() if cwd is None else cwd
+    relative = any(
+        not os.path.isabs(value) and os.path.exists(os.path.join(here, value))
+        for arg in argv[1:]
+        for value in {arg, arg.partition("=")[2]}
+        if value
+    )
+    scope: Any = list(argv)
+    if config or relative:
+        scope = {"argv": list(argv), "env": config, "cwd": here if relative else None}
+    return f"cmd-{hashlib.sha256(canonical_bytes(scope)).hexdigest()[:16]}"
+
+
 def _tool_label(name: str) -> str:
     """A tool's name in its intents and domain: the name itself when it is short ASCII,
     else its escaped, cut form and a digest of the name. The escaped form alone let
@@ -360,13 +403,7 @@ class Proxy:
         self.policy = policy or Policy()
         self.allow_clear = allow_clear
         ns = namespace or self.policy.namespace
-        if ns is None:
-            # one ledger per wrapped command: two servers on one default store must never
-            # replay each other's results (two sqlite servers on two files both have
-            # write_query); the same command wrapped twice shares its intents
-            digest = hashlib.sha256(canonical_bytes(argv)).hexdigest()[:16]
-            ns = f"cmd-{digest}"
-        self.namespace = _ascii(ns)
+        self.namespace = _ascii(ns if ns is not None else default_namespace(argv))
         self.store_url = store_url
         if is_memory_url(store_url):
             self.store: Any = MemoryStore()
