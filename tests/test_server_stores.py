@@ -1626,3 +1626,24 @@ def test_a_password_in_the_query_is_never_shown(kind: str) -> None:
     assert all(secret not in text for text in shown), [t for t in shown if secret in t]
     assert all("password=***" in text for text in shown[:2])
     assert mask_url("host=h password='a b' dbname=d") == "host=h password=*** dbname=d"
+
+
+@pytest.mark.parametrize("kind", ["pg", "redis"])
+def test_a_misspelt_url_option_is_named_at_once(kind: str) -> None:
+    """Redis passed it to redis-py, whose raw TypeError reached `info` as a traceback;
+    PostgreSQL passed it to libpq, refused only once the pool had waited 10 s, and then
+    as "can't connect, retry later" (found by review). Both name it, before connecting."""
+    need(kind)
+    from effectfence.store import open_store
+
+    base, typo = (PG_DSN, "shcema") if kind == "pg" else (REDIS_URL, "certs_per_domian")
+    url = with_query(base, **{typo: "5"})
+    with pytest.raises(ValueError, match=f"unknown option '{typo}'"):
+        open_store(url)
+    known = "sslmode" if kind == "pg" else "socket_timeout"  # the drivers' own still pass
+    name = unique_name("pgfault" if kind == "pg" else "t")
+    value = "disable" if kind == "pg" else "5"
+    key = "schema" if kind == "pg" else "prefix"
+    store = open_store(with_query(base, **{key: name, known: value}))
+    store.close()
+    drop_pg_schema(name) if kind == "pg" else drop_redis_prefix(name)

@@ -45,6 +45,7 @@ unavailable (a lease it may have taken lapses like a crashed holder's).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -597,6 +598,15 @@ class _Lost(Exception):
     """The connection broke while a step ran: it may or may not have applied."""
 
 
+_OURS = ("schema", "pool_max", "pool_min", "timeout", "cert_retention")
+
+
+@functools.cache
+def _libpq_keywords() -> frozenset[str]:
+    """The connection parameters this libpq knows (PQconndefaults)."""
+    return frozenset(o.keyword.decode() for o in psycopg.pq.Conninfo.get_defaults())
+
+
 def _split_url(url: str) -> tuple[str, dict[str, str]]:
     """Take this store's options (``schema``, ``pool_max``, ``timeout``, ``cert_retention``)
     out of a libpq URL; everything else (sslmode, connect_timeout, ...) stays for libpq."""
@@ -608,10 +618,17 @@ def _split_url(url: str) -> tuple[str, dict[str, str]]:
     ours: dict[str, str] = {}
     theirs: list[tuple[str, str]] = []
     for k, v in parse_qsl(parts.query, keep_blank_values=True):
-        if k in ("schema", "pool_max", "pool_min", "timeout", "cert_retention"):
+        if k in _OURS:
             ours[k] = v
-        else:
+        elif k in _libpq_keywords():
             theirs.append((k, v))
+        else:
+            # libpq refuses it too, but only once the pool has waited out its timeout, and
+            # then as "can't connect, retry later" (found by review)
+            raise ValueError(
+                f"unknown option {k!r} in {mask_url(url)}: this store's are "
+                f"{', '.join(_OURS)}; the rest go to libpq, which knows no {k!r}"
+            )
     conninfo = urlunsplit(
         (parts.scheme, parts.netloc, parts.path, urlencode(theirs), parts.fragment)
     )

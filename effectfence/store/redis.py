@@ -58,6 +58,7 @@ passed in is used as it is.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import re
@@ -547,6 +548,23 @@ class _Lost(Exception):
     """The connection broke while a script ran: it may or may not have applied."""
 
 
+_OURS = ("prefix", "allow_eviction", "certs_per_domain", "max_connections", "timeout")
+
+
+@functools.cache
+def _redis_py_options() -> frozenset[str]:
+    """What redis-py takes in a URL's query: its parsed arguments, and the keywords of its
+    connection classes (it passes any other query argument on as one)."""
+    import inspect
+
+    from redis import connection
+
+    names = set(getattr(connection, "URL_QUERY_ARGUMENT_PARSERS", {}))
+    for cls in (connection.AbstractConnection, connection.Connection, connection.SSLConnection):
+        names.update(inspect.signature(cls.__init__).parameters)
+    return frozenset(names - {"self", "args", "kwargs"})
+
+
 def _refused(exc: BaseException) -> str | None:
     """The server's reply if it refused the command before running it (nothing applied),
     else None: a lost connection, or an error no one can say applied nothing."""
@@ -705,6 +723,12 @@ class RedisStore(FenceStore):
         ours: dict[str, Any] = {}
         theirs: list[tuple[str, str]] = []
         for k, v in parse_qsl(parts.query, keep_blank_values=True):
+            if k not in _OURS and k not in _redis_py_options():
+                # redis-py took it as a keyword and raised a raw TypeError (review)
+                raise ValueError(
+                    f"unknown option {k!r} in {mask_url(url)}: this store's are "
+                    f"{', '.join(_OURS)}; the rest go to redis-py, which knows no {k!r}"
+                )
             try:
                 if k == "prefix":
                     ours[k] = v
