@@ -1598,8 +1598,7 @@ def test_a_password_in_the_query_is_never_shown(kind: str) -> None:
     """libpq and redis-py take ``?password=``: it was shown in full by ``info``,
     ``describe()``, ``repr`` and the console's label (found by review)."""
     need(kind)
-    from effectfence.store import redact
-    from effectfence.store.base import mask_url
+    from effectfence.store import mask_url, redact
 
     secret = "S3CRET-in-the-query"
     name = unique_name("pgfault" if kind == "pg" else "t")

@@ -12,9 +12,9 @@ import re
 import sys
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
-from effectfence.store.base import FenceStore, Head, Outcome, Step, StoreMissing, mask_url
+from effectfence.store.base import FenceStore, Head, Outcome, Step, StoreMissing
 from effectfence.store.memory import MemoryStore
 
 __all__ = [
@@ -118,6 +118,31 @@ def sqlite_url(path: str) -> str:
     rel = path.lstrip("/")
     lead = "/" if rel.startswith(("./", "../", "~")) else ""
     return "sqlite:///" + lead + quote(rel, safe="/", errors="surrogateescape")
+
+
+#: query keys whose values are secrets (libpq's password and sslpassword, redis-py's
+#: password, a token): masked wherever a URL is shown
+_SECRET_KEY = re.compile(r"pass|secret|token", re.IGNORECASE)
+_SECRET_WORD = re.compile(
+    r"(\b\w*(?:pass|secret|token)\w*\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE
+)
+
+
+def mask_url(url: str) -> str:
+    """``url`` fit to show (messages, ``describe()``, ``repr``, ``info``): the userinfo's
+    password and the value of every password-like query key masked. A password given as
+    ``?password=`` was shown in full in six places (found by review)."""
+    if "://" not in url:  # libpq's key=value words
+        return _SECRET_WORD.sub(r"\1***", url)
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if parts.password is not None:
+        netloc = netloc.replace(f":{parts.password}@", ":***@")
+    pieces = []
+    for piece in parts.query.split("&") if parts.query else ():
+        key, eq, _ = piece.partition("=")
+        pieces.append(f"{key}=***" if eq and _SECRET_KEY.search(unquote(key)) else piece)
+    return urlunsplit((parts.scheme, netloc, parts.path, "&".join(pieces), parts.fragment))
 
 
 def redact(url: str) -> str:

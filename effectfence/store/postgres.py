@@ -67,7 +67,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 from effectfence.errors import StoreUnavailable
 from effectfence.protocol import IntentRecord, State
-from effectfence.store import _fork
+from effectfence.store import _fork, mask_url
 from effectfence.store._waiters import Waiters
 from effectfence.store.base import (
     APPLIED,
@@ -80,7 +80,6 @@ from effectfence.store.base import (
     Head,
     Step,
     StoreMissing,
-    mask_url,
     settled,
 )
 from effectfence.store.codec import (

@@ -77,7 +77,7 @@ from redis.retry import Retry
 
 from effectfence.errors import StoreUnavailable
 from effectfence.protocol import IntentRecord, State
-from effectfence.store import _fork
+from effectfence.store import _fork, mask_url
 from effectfence.store._waiters import Waiters
 from effectfence.store.base import (
     APPLIED,
@@ -90,7 +90,6 @@ from effectfence.store.base import (
     Head,
     Step,
     StoreMissing,
-    mask_url,
     settled,
 )
 from effectfence.store.codec import (
