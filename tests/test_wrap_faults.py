@@ -445,12 +445,7 @@ async def test_a_dead_childs_leftovers_are_its_own_not_those_of_the_child_after_
     NEXT child's requests "the server exited", and then their real answers came too."""
     h = Harness(tmp_path, monkeypatch)
     await h.start()
-    first = h.proxy.child
-    assert first is not None
-    first.proc.kill()
-    async with asyncio.timeout(BOUND):
-        while h.proxy.child is not None:
-            await asyncio.sleep(0.01)
+    first = await _kill_child(h)
     gate = tmp_path / "gate"
     monkeypatch.setenv("RAW_LIST_GATE", str(gate))  # the next child holds its tools/list
     listing = h.send("tools/list")
@@ -696,6 +691,17 @@ async def test_calls_of_names_the_child_never_listed_share_one_count(
     assert await h.stop() == 0
 
 
+async def _kill_child(h: Harness) -> Child:
+    """Kill the harness's child and wait until the wrapper has handled its death."""
+    child = h.proxy.child
+    assert child is not None
+    child.proc.kill()
+    async with asyncio.timeout(BOUND):
+        while h.proxy.child is not None:
+            await asyncio.sleep(0.01)
+    return child
+
+
 def _spy_on_child(h: Harness, monkeypatch: pytest.MonkeyPatch) -> tuple[Child, list[bytes]]:
     """The harness's child, and every line the wrapper writes to it from now on."""
     child = h.proxy.child
@@ -881,12 +887,7 @@ async def test_a_cancel_of_a_call_waiting_for_the_restarted_child_still_reaches_
     policy = Policy.from_dict({"tools": {"charge": {"fence": False}}})
     h = Harness(tmp_path, monkeypatch, policy=policy)
     await h.start()
-    first = h.proxy.child
-    assert first is not None
-    first.proc.kill()
-    async with asyncio.timeout(BOUND):
-        while h.proxy.child is not None:
-            await asyncio.sleep(0.01)
+    await _kill_child(h)
     gate, held = asyncio.Event(), asyncio.Event()
     real = asyncio.create_subprocess_exec
 
