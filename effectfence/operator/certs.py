@@ -92,6 +92,17 @@ def print_report(report: TrailReport, out: TextIO, *, as_json: bool) -> None:
             f"gap: no certificate for {seqs} (released, aborted or lapsed attempts, or pruned)",
             file=out,
         )
+    if report.cut:
+        linked = ""
+        if report.after_cut:
+            shown = ", ".join(map(str, report.after_cut[:20]))
+            more = "" if len(report.after_cut) <= 20 else f" (+{len(report.after_cut) - 20})"
+            linked = f"; seq {shown}{more} follow certificates that went with it"
+        print(
+            f"retention deleted the trail through seq {report.cut} (cert_retention or "
+            f"certs_per_domain){linked}",
+            file=out,
+        )
     if report.concurrent:
         pairs = ", ".join(f"{a}~{b}" for a, b in report.concurrent[:20])
         more = "" if len(report.concurrent) <= 20 else f" (+{len(report.concurrent) - 20})"
@@ -147,7 +158,8 @@ def main(
         if args.verify:
             window = list(trail)
             before = outside_parents(fence.store, args.domain, window) if args.after else ()
-            report = check_trail(window, outside=before)
+            cut = fence.store.trail_cut(args.domain)
+            report = check_trail(window, outside=before, cut=cut if args.after <= cut else 0)
             if report.domain is None:
                 report = TrailReport(True, 0, args.domain)
                 where = "" if args.after == 0 else f" after seq {args.after}"

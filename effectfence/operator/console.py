@@ -338,9 +338,10 @@ class Console:
         try:
             certs = list(read_trail(self.fence.store, domain, after_seq=start, limit=CHAIN_LIMIT))
             before = outside_parents(self.fence.store, domain, certs, since=max(0, start - PAGE))
+            cut = self.fence.store.trail_cut(domain)
         except TrailNotKept as exc:
             return {"ok": None, "reason": str(exc)}
-        return check_trail(certs, outside=before).to_dict()
+        return check_trail(certs, outside=before, cut=cut if start <= cut else 0).to_dict()
 
     def api_clear(
         self, headers: dict[str, str], body: bytes, session: tuple[str, str]

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from effectfence.canonical import json_loads
-from effectfence.cert import EffectCert, verify_chain
+from effectfence.cert import MAX_OPEN_OVERLAPS, EffectCert, verify_chain
 from effectfence.errors import InvalidRequest
 from effectfence.store.base import FenceStore
 
@@ -43,7 +43,9 @@ class TrailReport:
     """What the check found. ``broken_at_seq`` (and ``broken_at_line`` for a file) is the
     first place the trail breaks; ``tampered`` lists every seq whose hash does not match its
     fields; ``gaps`` the (first, last) seq ranges with no certificate; ``concurrent`` the
-    seq pairs of attempts that overlapped (reported by the chain check, never damage)."""
+    seq pairs of attempts that overlapped (reported by the chain check, never damage);
+    ``cut`` the seq through which the store's retention deleted the trail (0: none), and
+    ``after_cut`` the seqs whose parent went with it (accepted, see :func:`check_trail`)."""
 
     ok: bool
     length: int
@@ -57,6 +59,8 @@ class TrailReport:
     gaps: list[tuple[int, int]] = field(default_factory=list)
     concurrent: list[tuple[int, int]] = field(default_factory=list)
     concurrent_complete: bool = True
+    cut: int = 0
+    after_cut: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -72,6 +76,8 @@ class TrailReport:
             "gaps": [list(g) for g in self.gaps],
             "concurrent": [list(c) for c in self.concurrent],
             "concurrent_complete": self.concurrent_complete,
+            "cut": self.cut,
+            "after_cut": list(self.after_cut),
         }
 
 
@@ -150,13 +156,36 @@ def load_file(path: Path) -> tuple[list[EffectCert], list[int], str]:
 
 
 def check_trail(
-    certs: list[EffectCert], lines: list[int] | None = None, *, outside: Iterable[str] = ()
+    certs: list[EffectCert],
+    lines: list[int] | None = None,
+    *,
+    outside: Iterable[str] = (),
+    cut: int = 0,
 ) -> TrailReport:
     """Check a trail in the order given (it must be seq order). ``outside``: certificates
-    before it that it may follow (see :func:`outside_parents`)."""
+    before it that it may follow (see :func:`outside_parents`).
+
+    ``cut``: the seq through which the store's retention deleted this trail (its
+    :meth:`~effectfence.store.base.FenceStore.trail_cut`), for a trail read from where
+    the store's starts. Attempts admitted before the cut and committed after it name a
+    deleted certificate as parent; so do the first certificates kept. Such a link is
+    accepted for the first :data:`~effectfence.cert.MAX_OPEN_OVERLAPS` certificates after
+    the cut (the overlaps the chain check follows) and listed in ``after_cut``; further
+    on, a parent that is nowhere is a broken link as ever."""
     n = len(certs)
     if not n:
-        return TrailReport(True, 0)
+        return TrailReport(True, 0, cut=cut)
+    after_cut: list[int] = []
+    if cut > 0 and certs[0].seq > cut:
+        seen: set[str | None] = set(outside)
+        extra: set[str] = set()
+        for c in certs[:MAX_OPEN_OVERLAPS]:
+            if c.parent is not None and c.parent not in seen and c.parent not in extra:
+                extra.add(c.parent)
+            if c.parent in extra:
+                after_cut.append(c.seq)
+            seen.add(c.hash)
+        outside = {*outside, *extra}
     domain = certs[0].domain
     seqs = [c.seq for c in certs]
     found = TrailReport(
@@ -167,6 +196,8 @@ def check_trail(
         seqs[-1],
         tampered=[c.seq for c in certs if not c.verify()],
         gaps=[(a + 1, b - 1) for a, b in itertools.pairwise(seqs) if b - a > 1],
+        cut=cut,
+        after_cut=after_cut,
     )
 
     def broken(i: int, reason: str) -> TrailReport:
@@ -193,7 +224,7 @@ def check_trail(
         return broken(
             at, f"seq {bad.seq}: its hash does not match its fields (edited or corrupted)"
         )
-    cut = (
+    partial = (
         " or before the first one here: an export made with --after holds only part of the "
         "trail, verify it against the store"
         if lines is not None and seqs[0] > 1
@@ -202,5 +233,5 @@ def check_trail(
     return broken(
         at,
         f"seq {bad.seq}: its parent {str(bad.parent)[:16]} does not link it to the "
-        f"certificates before it (one is missing, replaced or out of place{cut})",
+        f"certificates before it (one is missing, replaced or out of place{partial})",
     )

@@ -225,6 +225,13 @@ class FenceStore(ABC):
         audit trail, kept by durable stores for as long as the operator asks (optional)."""
         raise NotImplementedError(f"the {self.name} store keeps no certificate trail")
 
+    def trail_cut(self, domain: str) -> int:
+        """The seq through which retention deleted ``domain``'s certificates (0: none). A
+        store deletes only a prefix of a trail, so the trail it keeps starts after this;
+        the trail check then accepts links to certificates before it (see
+        :func:`effectfence.operator.trail.check_trail`)."""
+        return 0
+
     def sealing_key(self) -> bytes:
         """The key that seals wire tickets (:mod:`effectfence.tickets`). A shared store keeps
         one in the store, so a ticket sealed by one process opens in every process sharing

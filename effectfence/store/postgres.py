@@ -106,7 +106,9 @@ __all__ = ["DEFAULT_SCHEMA", "SCHEMA_VERSION", "PostgresStore", "StoreSchemaErro
 #: 6: a ``claim`` expecting an empty slot reads a record it finds without locking it, and
 #: every outcome carries the server's clock, so prepare claims first (``put_first``). Older
 #: code calls ``claim`` only after reading, and reads its answers as before
-SCHEMA_VERSION = 6
+#: 7: ``trail_cuts``, and ``sweep`` deletes certificates only as a prefix of each trail
+#: (a hole made a sound trail fail its check); older code runs on with the new ``sweep``
+SCHEMA_VERSION = 7
 DEFAULT_SCHEMA = "effectfence"
 DEFAULT_POOL_MAX = 8
 #: seconds to wait for a pooled connection (or a new one) before reporting unavailable
@@ -189,6 +191,8 @@ CREATE INDEX IF NOT EXISTS audit_intent ON {s}.audit (intent, id);
 
 -- the intents a waiter in some process is blocked on (see changed_ and watch_)
 CREATE TABLE IF NOT EXISTS {s}.watch (intent text PRIMARY KEY);
+-- where retention cut each domain's trail: every certificate with seq <= through is gone
+CREATE TABLE IF NOT EXISTS {s}.trail_cuts (domain text PRIMARY KEY, through bigint NOT NULL);
 
 CREATE OR REPLACE FUNCTION {s}.now_(p_now float8) RETURNS float8 LANGUAGE sql VOLATILE AS $$
     SELECT coalesce(p_now, extract(epoch FROM clock_timestamp())::float8) $$;
@@ -575,9 +579,19 @@ BEGIN
     -- registrations of waiters gone with their records (the table holds a few rows at most)
     DELETE FROM {s}.watch w WHERE NOT EXISTS (
         SELECT 1 FROM {s}.intents i WHERE i.intent = w.intent);
-    DELETE FROM {s}.certs WHERE (domain, seq) IN (
-        SELECT domain, seq FROM {s}.certs WHERE keep_until <= t AND keep_until < 1e300
-         ORDER BY keep_until LIMIT p_limit FOR UPDATE SKIP LOCKED);
+    -- only a prefix of each trail, taken in seq order (see SQLiteStore._sweep_batch), and
+    -- where each trail now starts
+    WITH gone AS (
+        DELETE FROM {s}.certs WHERE (domain, seq) IN (
+            SELECT c.domain, c.seq FROM {s}.certs c
+             WHERE c.keep_until <= t AND c.keep_until < 1e300 AND NOT EXISTS (
+                   SELECT 1 FROM {s}.certs e
+                    WHERE e.domain = c.domain AND e.seq < c.seq AND e.keep_until > t)
+             ORDER BY c.domain, c.seq LIMIT p_limit FOR UPDATE SKIP LOCKED)
+        RETURNING domain, seq)
+    INSERT INTO {s}.trail_cuts AS x (domain, through)
+        SELECT domain, max(seq) FROM gone GROUP BY domain
+        ON CONFLICT (domain) DO UPDATE SET through = greatest(x.through, excluded.through);
     RETURN n;
 END $$;
 """
@@ -1125,6 +1139,14 @@ class PostgresStore(FenceStore):
         rows = self._read("certs", self._q_certs, (domain, after_seq, max(0, int(limit))))
         for (cert,) in rows:
             yield cert_from_json(cert)
+
+    def trail_cut(self, domain: str) -> int:
+        rows = self._read(
+            "trail_cut",
+            sql.SQL("SELECT through FROM {}.trail_cuts WHERE domain = %s").format(self._s),
+            (domain,),
+        )
+        return int(rows[0][0]) if rows else 0
 
     def sealing_key(self) -> bytes:
         """Kept in the ``meta`` table (get-or-create): every process sharing the schema seals

@@ -323,7 +323,15 @@ for agent, n in pairs(merged) do parts[#parts + 1] = cjson.encode(agent) .. ':' 
 redis.call('HSET', dkey, 'head', ARGV[6], 'clock', '{' .. table.concat(parts, ',') .. '}')
 local ckey = P .. ':c:' .. domain
 redis.call('ZADD', ckey, cur[11], ARGV[5])
-if ARGV[13] ~= '' then redis.call('ZREMRANGEBYRANK', ckey, 0, -(tonumber(ARGV[13]) + 1)) end
+if ARGV[13] ~= '' then  -- certs_per_domain: the oldest seqs go, a prefix of the trail
+    local over = redis.call('ZRANGE', ckey, 0, -(tonumber(ARGV[13]) + 1), 'WITHSCORES')
+    if #over > 0 then  -- where the trail now starts, for the trail check (trail_cut)
+        local top = tonumber(over[#over])
+        local was = tonumber(redis.call('HGET', P .. ':cuts', domain) or '0')
+        if top > was then redis.call('HSET', P .. ':cuts', domain, ifmt(top)) end
+        redis.call('ZREMRANGEBYRANK', ckey, 0, -(tonumber(ARGV[13]) + 1))
+    end
+end
 changed(ARGV[3])
 return {'applied', cur, fmt(t)}
 """
@@ -1108,6 +1116,11 @@ class RedisStore(FenceStore):
         )
         for data in rows:
             yield cert_from_json(data)
+
+    def trail_cut(self, domain: str) -> int:
+        key = f"{self._p}:cuts"
+        got = self._cmd("trail_cut", lambda: self._r.hget(key, domain))
+        return 0 if got is None else int(got)
 
     def sealing_key(self) -> bytes:
         """Kept in the prefix's meta hash (HSETNX, then read): every process sharing the

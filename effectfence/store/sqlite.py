@@ -490,6 +490,12 @@ CREATE TABLE IF NOT EXISTS audit (
     entry TEXT NOT NULL             -- JSON (codec.entry_to_json)
 );
 CREATE INDEX IF NOT EXISTS audit_intent ON audit (intent, id);
+-- where retention cut each domain's trail: every certificate with seq <= through is gone
+-- (only ever a prefix: see _sweep_batch). Older files gain it when next opened.
+CREATE TABLE IF NOT EXISTS trail_cuts (
+    domain TEXT PRIMARY KEY,
+    through INTEGER NOT NULL
+);
 """
 
 
@@ -1350,6 +1356,14 @@ class SQLiteStore(FenceStore):
         for (cert,) in rows:
             yield cert_from_json(cert)
 
+    def trail_cut(self, domain: str) -> int:
+        (row,) = self._query(
+            "trail_cut",
+            "SELECT coalesce((SELECT through FROM trail_cuts WHERE domain = ?), 0)",
+            (domain,),
+        )
+        return int(row[0])
+
     def sealing_key(self) -> bytes:
         """Kept in the file (get-or-create in one transaction): every process sharing the
         store seals and opens tickets with the same key."""
@@ -1743,10 +1757,26 @@ class SQLiteStore(FenceStore):
             "WHERE reclaim_at <= ?1 ORDER BY reclaim_at LIMIT ?2) AND reclaim_at <= ?1",
             (now, batch),
         )
-        conn.execute(
-            "DELETE FROM certs WHERE (domain, seq) IN (SELECT domain, seq FROM certs "
-            "WHERE keep_until <= ?1 AND keep_until < 1e300 ORDER BY keep_until LIMIT ?2)",
+        # Certificates go only as a prefix of their domain's trail: one is due only once
+        # every certificate before it is due too (keep_until follows commit time and each
+        # commit's result_ttl, so it need not grow with seq), and candidates are taken in
+        # seq order, so a batch never leaves a due one behind a deleted one. A hole would
+        # break the parent link over it and the trail check would call a sound trail
+        # tampered (found by review). Where each trail now starts is kept in trail_cuts.
+        gone = conn.execute(
+            "DELETE FROM certs WHERE (domain, seq) IN (SELECT c.domain, c.seq FROM certs c "
+            "WHERE c.keep_until <= ?1 AND c.keep_until < 1e300 AND NOT EXISTS (SELECT 1 "
+            "FROM certs e WHERE e.domain = c.domain AND e.seq < c.seq AND e.keep_until > ?1) "
+            "ORDER BY c.domain, c.seq LIMIT ?2) RETURNING domain, seq",
             (now, batch),
+        ).fetchall()
+        through: dict[str, int] = {}
+        for domain, seq in gone:
+            through[domain] = max(seq, through.get(domain, 0))
+        conn.executemany(
+            "INSERT INTO trail_cuts (domain, through) VALUES (?, ?) ON CONFLICT (domain) "
+            "DO UPDATE SET through = max(through, excluded.through)",
+            through.items(),
         )
         return cur.rowcount
 

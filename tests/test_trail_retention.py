@@ -1,0 +1,206 @@
+"""Retention cuts a trail only from its start, and the cut trail still verifies.
+
+A store deletes certificates past their retention (``cert_retention`` on SQLite and
+PostgreSQL, ``certs_per_domain`` on Redis). Deleting one from the middle of a trail broke
+the parent link over the hole, and ``effectfence certs --verify`` called a sound trail
+tampered; the first certificates kept after a cut may also follow ones that went with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+from support import (
+    REDIS_URL,
+    FakeClock,
+    drop_pg_schema,
+    drop_redis_prefix,
+    need,
+    pg_pool,
+    unique_name,
+)
+from support import sqlite_path as new_sqlite_path
+
+from effectfence import EffectCert, EffectFence, EffectRequest, FenceConfig
+from effectfence.cert import MAX_OPEN_OVERLAPS
+from effectfence.operator.trail import check_trail
+from effectfence.store.base import FenceStore
+
+DOMAIN = "acct:1"
+RETENTION = 50.0
+SHORT, LONG = 10.0, 1000.0
+
+
+def req(intent: str) -> EffectRequest:
+    return EffectRequest(intent, DOMAIN, "charge", {"intent": intent}, "agent")
+
+
+def _sqlite(clock: FakeClock) -> FenceStore:
+    from effectfence.store.sqlite import SQLiteStore
+
+    return SQLiteStore(new_sqlite_path(), clock=clock, cert_retention=RETENTION)
+
+
+def _postgres(clock: FakeClock) -> FenceStore:
+    need("pg")
+    from effectfence.store.postgres import PostgresStore
+
+    schema = unique_name("pg")
+    store = PostgresStore(pool=pg_pool(), schema=schema, clock=clock, cert_retention=RETENTION)
+    store.dropped = lambda: drop_pg_schema(schema)  # type: ignore[attr-defined]
+    return store
+
+
+TIMED: dict[str, Callable[[FakeClock], FenceStore]] = {"sqlite": _sqlite, "postgres": _postgres}
+
+
+@pytest.fixture(params=sorted(TIMED))
+def timed_store(request: pytest.FixtureRequest) -> Iterator[tuple[FenceStore, FakeClock]]:
+    clock = FakeClock()
+    store = TIMED[request.param](clock)
+    yield store, clock
+    store.close()
+    drop = getattr(store, "dropped", None)
+    if drop is not None:
+        drop()
+
+
+def fences(store: FenceStore) -> tuple[EffectFence, EffectFence]:
+    """Two processes' fences on one store, configured with different result TTLs: their
+    certificates' retention ends out of seq order."""
+    short = EffectFence(FenceConfig(result_ttl=SHORT, auto_sweep=False), store=store)
+    long = EffectFence(FenceConfig(result_ttl=LONG, auto_sweep=False), store=store)
+    return short, long
+
+
+def overlapping_trail(short: EffectFence, long: EffectFence) -> list[EffectCert]:
+    """seq 1 and 2 (short), 3 and 4 (long); 3 was admitted before 2 committed (its parent
+    is 1), 4 after (its parent is 2). Returns the four certificates in seq order."""
+    c1 = short.commit(short.prepare(req("i1")).ticket, "r1")
+    t2 = short.prepare(req("i2")).ticket
+    t3 = long.prepare(req("i3")).ticket
+    c2 = short.commit(t2, "r2")
+    t4 = long.prepare(req("i4")).ticket
+    c3 = long.commit(t3, "r3")
+    c4 = long.commit(t4, "r4")
+    assert (c3.parent, c4.parent) == (c1.hash, c2.hash)
+    return [c1, c2, c3, c4]
+
+
+def test_a_certificate_goes_only_once_every_one_before_it_is_due(
+    timed_store: tuple[FenceStore, FakeClock],
+) -> None:
+    store, clock = timed_store
+    short, long = fences(store)
+    long.commit(long.prepare(req("i1")).ticket, "r1")
+    short.commit(short.prepare(req("i2")).ticket, "r2")  # due long before seq 1
+    long.commit(long.prepare(req("i3")).ticket, "r3")
+    clock.advance(SHORT + RETENTION + 1)
+    short.sweep()
+    trail = list(store.certs(DOMAIN))
+    assert [c.seq for c in trail] == [1, 2, 3]  # seq 2 stays while seq 1 is kept
+    report = check_trail(trail, cut=store.trail_cut(DOMAIN))
+    assert report.ok, report.reason
+    assert store.trail_cut(DOMAIN) == 0
+    clock.advance(LONG)
+    short.sweep()
+    assert list(store.certs(DOMAIN)) == []
+    assert store.trail_cut(DOMAIN) == 3
+
+
+def test_a_trail_cut_by_retention_verifies(timed_store: tuple[FenceStore, FakeClock]) -> None:
+    store, clock = timed_store
+    short, long = fences(store)
+    made = overlapping_trail(short, long)
+    clock.advance(SHORT + RETENTION + 1)
+    short.sweep()
+    kept = list(store.certs(DOMAIN))
+    assert kept == made[2:]
+    cut = store.trail_cut(DOMAIN)
+    assert cut == 2
+    report = check_trail(kept, cut=cut)
+    assert report.ok, report.reason
+    assert (report.cut, report.after_cut) == (2, [3, 4])
+    # without the cut, seq 4's parent (seq 2, deleted) is nowhere: the check that the
+    # store's cut feeds is what tells retention from tampering
+    assert not check_trail(kept).ok
+
+
+def test_redis_count_retention_records_its_cut() -> None:
+    need("redis")
+    from effectfence.store.redis import RedisStore
+
+    prefix = unique_name("redis")
+    store = RedisStore(REDIS_URL, prefix=prefix, clock=FakeClock(), certs_per_domain=2)
+    try:
+        fence = EffectFence(FenceConfig(auto_sweep=False), store=store)
+        made = overlapping_trail(fence, fence)
+        kept = list(store.certs(DOMAIN))
+        assert kept == made[2:]
+        assert store.trail_cut(DOMAIN) == 2
+        report = check_trail(kept, cut=store.trail_cut(DOMAIN))
+        assert report.ok and report.after_cut == [3, 4], report.reason
+    finally:
+        store.close()
+        drop_redis_prefix(prefix)
+
+
+def _line(n: int) -> list[EffectCert]:
+    certs: list[EffectCert] = []
+    parent: str | None = None
+    for seq in range(1, n + 1):
+        c = EffectCert(
+            intent=f"i{seq}",
+            parent=parent,
+            domain=DOMAIN,
+            seq=seq,
+            tool="charge",
+            args={},
+            result=seq,
+            vector_clock={"a": seq},
+            read_set=(),
+            agent="a",
+        )
+        certs.append(c)
+        parent = c.hash
+    return certs
+
+
+def test_past_the_overlap_window_a_missing_parent_is_still_a_broken_link() -> None:
+    certs = _line(MAX_OPEN_OVERLAPS + 10)
+    kept = certs[5:]  # the store cut through seq 5
+    assert check_trail(kept, cut=5).ok
+    # a certificate deleted (and its successor's link left dangling) right after the cut
+    # is accepted as retention's; one deleted further on is not
+    late = 5 + MAX_OPEN_OVERLAPS + 2  # past the first MAX_OPEN_OVERLAPS kept
+    holed = [c for c in kept if c.seq != late]
+    report = check_trail(holed, cut=5)
+    assert not report.ok and report.broken_at_seq == late + 1
+    # a cut the trail does not start after is no cut of this trail
+    assert not check_trail([c for c in certs if c.seq != 3], cut=5).ok
+
+
+def test_certs_verify_on_a_cut_trail_says_where_it_was_cut(
+    timed_store: tuple[FenceStore, FakeClock],
+) -> None:
+    import io
+    import json
+
+    from effectfence.operator import certs as certs_cli
+
+    store, clock = timed_store
+    short, long = fences(store)
+    overlapping_trail(short, long)
+    clock.advance(SHORT + RETENTION + 1)
+    short.sweep()
+    out = io.StringIO()
+    assert certs_cli.main([DOMAIN, "--verify"], fence=short, out=out) == 0
+    text = out.getvalue()
+    assert text.startswith("OK: 2 certificate(s)"), text
+    assert "retention deleted the trail through seq 2" in text
+    assert "seq 3, 4 follow certificates that went with it" in text
+    out = io.StringIO()
+    assert certs_cli.main([DOMAIN, "--verify", "--json"], fence=short, out=out) == 0
+    got = json.loads(out.getvalue())
+    assert (got["ok"], got["cut"], got["after_cut"]) == (True, 2, [3, 4])
