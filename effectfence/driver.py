@@ -131,13 +131,18 @@ class _NotStarted(Exception):
 def drive(
     fence: EffectFence, request: EffectRequest, options: Options
 ) -> Generator[Instruction, Any, FencedCall]:
-    """The sequence, once. Yields instructions; returns the :class:`FencedCall`."""
+    """The sequence, once. Yields instructions; returns the :class:`FencedCall`.
+
+    Each attempt is held by the fence from before its prepare until it is settled, so
+    :meth:`EffectFence.close` waits for an effect in hand instead of closing the store
+    under it (its commit then failed, and a lapsed lease let it run again)."""
     deadline: float | None = None
     while True:
+        fence._hold_effect()
         try:
             adm = fence.prepare(request)
-            break
         except IntentInFlight as exc:
+            fence._let_effect_go()
             if not options.wait:
                 raise
             now = time.monotonic()
@@ -147,9 +152,24 @@ def drive(
             if left <= 0:
                 raise
             yield Wait(request.intent, min(left, exc.retry_after or left))
-    if not adm.fresh:
-        return FencedCall(adm.cert.result, adm.cert, False)
-    ticket = adm.ticket
+            continue
+        except BaseException:
+            fence._let_effect_go()
+            raise
+        if not adm.fresh:
+            fence._let_effect_go()
+            return FencedCall(adm.cert.result, adm.cert, False)
+        break
+    try:
+        return (yield from _carry(fence, adm.ticket, options))
+    finally:
+        fence._let_effect_go()
+
+
+def _carry(
+    fence: EffectFence, ticket: PreparedEffect, options: Options
+) -> Generator[Instruction, Any, FencedCall]:
+    """An admitted attempt: run it, then commit it, or settle what it left."""
     try:
         result = yield Run(ticket, options.renew_every)
     except BaseException as exc:

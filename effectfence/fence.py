@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import math
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -320,6 +321,11 @@ class EffectFence:
         self._waiters_lock = _fork.lock()
         self._sweep_due = -math.inf
         self._sweep_lock = _fork.lock()
+        # effects the driver holds (admitted, or being admitted, and not yet settled): close()
+        # waits for them. Counted per fork generation: a child holds none of its parent's.
+        self._closing = False
+        self._held = (_fork.generation(), 0)
+        self._idle = threading.Condition(_fork.lock())
 
     @classmethod
     def from_url(cls, url: str, config: FenceConfig | None = None, **options: Any) -> EffectFence:
@@ -339,9 +345,66 @@ class EffectFence:
             store.close()  # refused: its connections were left open (found by review)
             raise
 
-    def close(self) -> None:
-        """Release the store's connections."""
+    def close(self, timeout: float | None = None) -> None:
+        """Stop admitting, let the effects the driver is running here settle, then release
+        the store's connections.
+
+        An effect that ran while its store was closed under it could not be recorded: it
+        stayed in flight, and once its lease lapsed an identical call ran it again. So from
+        now on every prepare is refused ``store_unavailable``, and close waits up to
+        ``timeout`` seconds (default: the lease TTL, after which such an effect could be
+        taken over anyway) for the effects of :func:`~effectfence.fenced`,
+        :func:`~effectfence.run` and ``wrap`` to commit, abort or release. Tickets a caller
+        holds from :meth:`prepare` itself are the caller's to settle before closing. From
+        async code use :meth:`aclose`: waiting here would stall the loop they run on."""
+        wait = self._lease_ttl if timeout is None else float(timeout)
+        deadline = time.monotonic() + max(0.0, wait)
+        with self._idle:
+            self._closing = True
+            while self._holding() > 0:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._idle.wait(left)
         self.store.close()
+
+    async def aclose(self, timeout: float | None = None) -> None:
+        """:meth:`close`, waiting in a thread so the event loop's effects can settle."""
+        import asyncio
+
+        await asyncio.to_thread(self.close, timeout)
+
+    @property
+    def closing(self) -> bool:
+        """Whether :meth:`close` was called: new attempts are refused."""
+        return self._closing
+
+    def _holding(self) -> int:
+        gen, n = self._held
+        return n if gen == _fork.generation() else 0
+
+    def _hold_effect(self) -> None:
+        """For the driver, before each prepare: one effect in hand until
+        :meth:`_let_effect_go`, or refused once :meth:`close` was called."""
+        with self._idle:
+            if self._closing:
+                self._count("store_unavailable")
+                raise self._closing_refusal()
+            self._held = (_fork.generation(), self._holding() + 1)
+
+    def _let_effect_go(self) -> None:
+        with self._idle:
+            n = self._holding() - 1
+            self._held = (_fork.generation(), max(0, n))
+            if n <= 0:
+                self._idle.notify_all()
+
+    @staticmethod
+    def _closing_refusal() -> StoreUnavailable:
+        return StoreUnavailable(
+            "the fence is closing: it admits no new attempt; nothing was decided",
+            recover="retry against a fence that is open (this process is shutting down)",
+        )
 
     # -- statistics ---------------------------------------------------------------------------
     def _count(self, bucket: str) -> None:
@@ -428,6 +491,9 @@ class EffectFence:
         if type(request) is not EffectRequest:
             self._count("invalid_request")
             raise InvalidRequest(f"prepare takes an EffectRequest, got {type(request).__name__}")
+        if self._closing:  # see close(): an effect admitted now could not be recorded
+            self._count("store_unavailable")
+            raise self._closing_refusal()
         intent = request.intent
         try:
             payload, args_json = self._payload(intent, request.args, request.domain, request.tool)

@@ -1502,8 +1502,8 @@ class Proxy:
         for task in list(self._tasks):
             task.cancel()
         for fence in self._fences.values():
-            with contextlib.suppress(Exception):
-                fence.close()
+            with contextlib.suppress(Exception):  # the cancelled calls settle meanwhile
+                await fence.aclose(CHILD_EXIT_GRACE)
         if not self._fences:
             with contextlib.suppress(Exception):
                 self.store.close()
