@@ -30,6 +30,13 @@ with the fewest events left out of its tickets, as version-vector pruning does: 
 above then hold for the agents kept. Unbounded, a head grown by a few dozen commits made
 every later ticket on the domain too large to hand out, for every caller, for good.
 
+A domain's head clock, which every store keeps and every claim reads, is bounded the same
+way at :data:`MAX_HEAD_AGENTS` (:func:`merge_head`). Unbounded, it grew by one entry for
+every agent name ever seen on the domain (a name per session, say): every claim read it
+and every commit rewrote it, so a busy domain's steps grew slower for good. An agent left
+out of the head starts its own count again, and the orders above hold for the agents kept,
+as for tickets.
+
 Clocks are immutable: every operation returns a new clock, so a clock inside a certificate
 can never change under it. Zero entries are dropped, so equal clocks have one canonical form.
 """
@@ -42,11 +49,21 @@ from typing import Any
 
 from effectfence.canonical import MAX_SAFE_INTEGER, sha256_hex
 
-__all__ = ["MAX_TICKET_AGENTS", "VectorClock", "merge_counts", "ticket_counts"]
+__all__ = [
+    "MAX_HEAD_AGENTS",
+    "MAX_TICKET_AGENTS",
+    "VectorClock",
+    "merge_counts",
+    "merge_head",
+    "ticket_counts",
+]
 
 #: the most agents a ticket's clock carries (see the module's "Bounded"): at the longest
 #: names (512 characters) a clock of ~0.5 MiB, so a ticket stays within what one may carry
 MAX_TICKET_AGENTS = 1024
+#: the most agents a domain's head clock keeps (see the module's "Bounded"); the PostgreSQL
+#: and Redis stores keep the same bound in their own merge (store.postgres, store.redis)
+MAX_HEAD_AGENTS = 2 * MAX_TICKET_AGENTS
 
 
 class VectorClock(Mapping[str, int]):
@@ -149,6 +166,16 @@ def merge_counts(a: Mapping[str, int], b: Mapping[str, int]) -> dict[str, int]:
     for agent, n in b.items():
         if n > c.get(agent, 0):
             c[agent] = n
+    return c
+
+
+def merge_head(head: Mapping[str, int], clock: Mapping[str, int]) -> dict[str, int]:
+    """A domain's head clock after a commit: the merge, then at most
+    :data:`MAX_HEAD_AGENTS` agents, those with the most events (ties: the smaller name)."""
+    c = merge_counts(head, clock)
+    if len(c) > MAX_HEAD_AGENTS:
+        kept = heapq.nsmallest(MAX_HEAD_AGENTS, ((-n, a) for a, n in c.items()))
+        c = {a: -negative for negative, a in kept}
     return c
 
 

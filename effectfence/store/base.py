@@ -297,8 +297,8 @@ class FenceStore(ABC):
         if given, ``own_seq`` (the record's own domain at that seq) are compared; if one
         does not hold the record becomes FAILED(``stale_reason``, since=now, reclaim_at =
         now + stale_reclaim_after) instead and the answer is STALE with the pair. On APPLIED
-        the domain's head becomes the certificate's hash, its clock the merge
-        (:func:`effectfence.clock.merge_counts`).
+        the domain's head becomes the certificate's hash, its clock the merge, bounded
+        (:func:`effectfence.clock.merge_head`).
         """
 
     @abstractmethod

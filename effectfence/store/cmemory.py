@@ -21,7 +21,7 @@ from typing import Any
 
 from effectfence import _accel
 from effectfence.cert import EffectCert
-from effectfence.clock import merge_counts
+from effectfence.clock import merge_head
 from effectfence.counters import CounterTable, new_table
 from effectfence.protocol import IntentRecord, State
 from effectfence.store.base import APPLIED, EMPTY_HEAD, MOVED, RACE, STALE, Head, Step
@@ -54,7 +54,7 @@ if _accel.memstore is not None:
         State.IN_FLIGHT,
         State.DONE,
         State.FAILED,
-        merge_counts,
+        merge_head,  # the head merge the C step calls (its slot is named merge_counts)
         heapq.heappush,
         EffectCert,
     )

@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from effectfence.clock import merge_counts
+from effectfence.clock import merge_head
 from effectfence.counters import CounterTable, new_table
 from effectfence.protocol import IntentRecord, State
 from effectfence.store.base import (
@@ -355,7 +355,7 @@ class MemoryStore(FenceStore):
                 with self._heads_lock:
                     old = self._heads.get(cur.domain, EMPTY_HEAD)
                     self._heads[cur.domain] = Head(
-                        cert.hash, merge_counts(old.clock, cert.vector_clock)
+                        cert.hash, merge_head(old.clock, cert.vector_clock)
                     )
             else:
                 rec = IntentRecord(

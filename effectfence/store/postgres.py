@@ -65,6 +65,7 @@ import psycopg_pool
 from psycopg import pq, sql
 from psycopg.conninfo import conninfo_to_dict
 
+from effectfence.clock import MAX_HEAD_AGENTS
 from effectfence.errors import StoreUnavailable
 from effectfence.protocol import IntentRecord, State
 from effectfence.store import _fork, mask_url
@@ -107,7 +108,8 @@ __all__ = ["DEFAULT_SCHEMA", "SCHEMA_VERSION", "PostgresStore", "StoreSchemaErro
 #: every outcome carries the server's clock, so prepare claims first (``put_first``). Older
 #: code calls ``claim`` only after reading, and reads its answers as before
 #: 7: ``trail_cuts``, and ``sweep`` deletes certificates only as a prefix of each trail
-#: (a hole made a sound trail fail its check); older code runs on with the new ``sweep``
+#: (a hole made a sound trail fail its check); ``merge_`` bounds a head clock
+#: (clock.MAX_HEAD_AGENTS). Older code runs on with the new functions
 SCHEMA_VERSION = 7
 DEFAULT_SCHEMA = "effectfence"
 DEFAULT_POOL_MAX = 8
@@ -201,8 +203,10 @@ CREATE OR REPLACE FUNCTION {s}.now_(p_now float8) RETURNS float8 LANGUAGE sql VO
 CREATE OR REPLACE FUNCTION {s}.deadline_(t float8) RETURNS float8 LANGUAGE sql IMMUTABLE AS $$
     SELECT least(t, 1e300::float8) $$;
 
--- the element-wise maximum of two vector clocks (clock.merge_counts). PL/pgSQL, not SQL: a
--- SQL function that is not inlined is planned again at every call (~0.25 ms, measured)
+-- a domain's head clock after a commit (clock.merge_head): the element-wise maximum, then
+-- at most {max_head} agents, those with the most events (ties: the smaller name, in code
+-- point order as Python's). PL/pgSQL, not SQL: a SQL function that is not inlined is
+-- planned again at every call (~0.25 ms, measured)
 CREATE OR REPLACE FUNCTION {s}.merge_(a jsonb, b jsonb) RETURNS jsonb LANGUAGE plpgsql IMMUTABLE
 AS $$
 DECLARE k text; v jsonb; r jsonb := coalesce(a, '{{}}'::jsonb);
@@ -212,6 +216,11 @@ BEGIN
             r := r || jsonb_build_object(k, v);
         END IF;
     END LOOP;
+    IF (SELECT count(*) FROM jsonb_object_keys(r)) > {max_head} THEN
+        SELECT jsonb_object_agg(e.key, e.value) INTO r FROM (
+            SELECT key, value FROM jsonb_each(r)
+             ORDER BY value::numeric DESC, key COLLATE "C" LIMIT {max_head}) e;
+    END IF;
     RETURN r;
 END $$;
 
@@ -1006,7 +1015,12 @@ class PostgresStore(FenceStore):
                                 supported=SCHEMA_VERSION,
                             )
                     if found is None or int(found) < SCHEMA_VERSION:
-                        ddl = _DDL.format(s=f'"{self.schema}"', f=_F, ch=f"'{self._channel}'")
+                        ddl = _DDL.format(
+                            s=f'"{self.schema}"',
+                            f=_F,
+                            ch=f"'{self._channel}'",
+                            max_head=MAX_HEAD_AGENTS,
+                        )
                         conn.execute(ddl.encode())
                         conn.execute(
                             sql.SQL(

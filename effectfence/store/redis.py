@@ -75,6 +75,7 @@ import redis.exceptions
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from effectfence.clock import MAX_HEAD_AGENTS
 from effectfence.errors import StoreUnavailable
 from effectfence.protocol import IntentRecord, State
 from effectfence.store import _fork, mask_url
@@ -311,15 +312,32 @@ end
 r.state = 'done'; r.cert = ARGV[5]; r['until'] = deadline(t + tonumber(ARGV[8]))
 r.reclaim_at = deadline(t + tonumber(ARGV[9]))
 put(KEYS[1], ARGV[3], r)
--- the domain's head: this certificate, its clock merged (element-wise max) into the head's
+-- the domain's head: this certificate, its clock merged (element-wise max) into the head's,
+-- then at most MAX_HEAD_AGENTS agents, those with the most events, ties to the smaller name
+-- in byte order (clock.merge_head; Lua's own string order follows the server's locale)
 local dkey = P .. ':d:' .. domain
 local old = redis.call('HGET', dkey, 'clock')
 local merged = old and cjson.decode(old) or {}
 for agent, n in pairs(cjson.decode(ARGV[7])) do
     if not merged[agent] or merged[agent] < n then merged[agent] = n end
 end
+local kept = {}
+for agent, n in pairs(merged) do kept[#kept + 1] = {agent, n} end
+if #kept > MAX_HEAD_AGENTS then
+    local function first(x, y)
+        if x[2] ~= y[2] then return x[2] > y[2] end
+        local a, b = x[1], y[1]
+        for i = 1, math.min(#a, #b) do
+            local ca, cb = a:byte(i), b:byte(i)
+            if ca ~= cb then return ca < cb end
+        end
+        return #a < #b
+    end
+    table.sort(kept, first)
+    for i = #kept, MAX_HEAD_AGENTS + 1, -1 do kept[i] = nil end
+end
 local parts = {}
-for agent, n in pairs(merged) do parts[#parts + 1] = cjson.encode(agent) .. ':' .. ifmt(n) end
+for _, e in ipairs(kept) do parts[#parts + 1] = cjson.encode(e[1]) .. ':' .. ifmt(e[2]) end
 redis.call('HSET', dkey, 'head', ARGV[6], 'clock', '{' .. table.concat(parts, ',') .. '}')
 local ckey = P .. ':c:' .. domain
 redis.call('ZADD', ckey, cur[11], ARGV[5])
@@ -334,7 +352,7 @@ if ARGV[13] ~= '' then  -- certs_per_domain: the oldest seqs go, a prefix of the
 end
 changed(ARGV[3])
 return {'applied', cur, fmt(t)}
-"""
+""".replace("MAX_HEAD_AGENTS", str(MAX_HEAD_AGENTS))
 
 _FINISH = """
 -- KEYS[1] record

@@ -65,7 +65,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 from urllib.parse import parse_qsl, unquote
 
-from effectfence.clock import merge_counts
+from effectfence.clock import merge_head
 from effectfence.errors import StoreUnavailable
 from effectfence.protocol import IntentRecord, State
 from effectfence.store import _fork, sqlite_url
@@ -1585,7 +1585,7 @@ class SQLiteStore(FenceStore):
         )
         self._put(conn, rec, cert_json, new=False)
         old = conn.execute("SELECT clock FROM domains WHERE domain = ?", (cur.domain,)).fetchone()
-        merged = merge_counts(
+        merged = merge_head(
             json.loads(old[0]) if old is not None and old[0] is not None else {},
             cert.vector_clock,
         )
