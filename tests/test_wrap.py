@@ -441,3 +441,27 @@ async def test_mcp_sdk_auto_client_falls_back_through_wrap_to_a_1x_child(
             assert not res.is_error
     with sqlite3.connect(tmp_path / "x.db") as conn:
         assert conn.execute("SELECT count(*) FROM t").fetchone()[0] == 1
+
+
+@pytest.mark.parametrize(("distinct", "errors"), [(2, 0), (1, 1), (0, 6)])
+def test_demo_fails_when_the_fence_did_not_charge_once(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], distinct: int, errors: int
+) -> None:
+    """The demo's exit status is its verdict: a second charge or an error through the
+    fence is a failure (it exited 0 whatever came back)."""
+    from effectfence.wrap import demo as demo_cli
+    from effectfence.wrap import probe as probe_mod
+
+    reports = iter(
+        [
+            probe_mod.ProbeReport(6, 6, 0, 6, 0, 0.1),  # raw: six charges
+            probe_mod.ProbeReport(6, 6 - errors, errors, distinct, 5 - errors, 0.1),
+        ]
+    )
+
+    async def fake_probe(*_: object) -> probe_mod.ProbeReport:
+        return next(reports)
+
+    monkeypatch.setattr(probe_mod, "probe", fake_probe)
+    assert demo_cli.main(["--calls", "6"]) == 1
+    assert "FAILED" in capsys.readouterr().err

@@ -194,6 +194,17 @@ def main(argv: list[str] | None = None) -> int:
             f"  {label:<13} {rep.distinct:>3} distinct charge(s), {rep.replayed} replayed, "
             f"{rep.errors} errors"
         )
+    # what the demonstration shows, checked: it exited 0 whatever came back through the
+    # fence (an error, a second charge), so a script running it learnt nothing (found by
+    # review)
+    if (rep.distinct, rep.errors) != (1, 0):
+        print(
+            f"effectfence demo: FAILED: through wrap, {opts.calls} identical calls should "
+            f"charge once and all succeed; they made {rep.distinct} distinct charge(s) with "
+            f"{rep.errors} error(s)",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
