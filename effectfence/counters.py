@@ -224,6 +224,10 @@ class PureCounterTable:
         return None if slot < 0 else self._values.get(slot)
 
     def load_slot(self, slot: int) -> int:
+        if type(slot) is not int and not isinstance(slot, int):
+            # a Fraction or float equal to a slot finds it in the dict: the C table takes
+            # ints only (parity, found by review)
+            raise _int_error("slot", slot)
         try:
             return self._values[slot]
         except (KeyError, TypeError):
@@ -236,6 +240,8 @@ class PureCounterTable:
         return self.reserve_slot(slot)
 
     def reserve_slot(self, slot: int) -> int:
+        if type(slot) is not int and not isinstance(slot, int):
+            raise _int_error("slot", slot)  # see load_slot
         values = self._values
         with self._lock:
             try:
@@ -257,6 +263,8 @@ class PureCounterTable:
         return self.advance_if_slot(slot, expected)
 
     def advance_if_slot(self, slot: int, expected: int) -> int:
+        if type(slot) is not int and not isinstance(slot, int):
+            raise _int_error("slot", slot)  # see load_slot
         values = self._values
         if type(expected) is not int or not 0 <= expected < MAX_VALUE:
             self.load_slot(slot)  # a bad slot is reported first, as the C shim does

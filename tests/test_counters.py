@@ -314,6 +314,21 @@ PARITY_CALLS: list[tuple[str, SceneCall, type[Exception], str]] = [
     ("advance_if Decimal", lambda s: s.t.advance_if("e", Decimal(3)), TypeError, "int"),
     ("cas Fraction", lambda s: s.t.compare_exchange("e", Fraction(1, 2), 7), TypeError, "int"),
     ("cas new Decimal", lambda s: s.t.compare_exchange("e", 3, Decimal(7)), TypeError, "int"),
+    # a slot that is not an int but equals one: the pure table's dict found the slot by it
+    ("Fraction slot load", lambda s: s.t.load_slot(Fraction(s.t.find("e"))), TypeError, "int"),
+    (
+        "Fraction slot reserve",
+        lambda s: s.t.reserve_slot(Fraction(s.t.find("e"))),
+        TypeError,
+        "int",
+    ),
+    ("float slot reserve", lambda s: s.t.reserve_slot(float(s.t.find("e"))), TypeError, "int"),
+    (
+        "Fraction slot advance",
+        lambda s: s.t.advance_if_slot(Fraction(s.t.find("e")), 3),
+        TypeError,
+        "int",
+    ),
 ]
 
 
