@@ -9,6 +9,10 @@ Rows:
   ``BEGIN IMMEDIATE`` transactions on a minimal table (fresh), one primary-key SELECT (replay);
 - ``raw postgresql`` / ``raw redis`` (with ``--store``): the same floor on the server, one
   statement (or command) per step;
+- ``floor sqlite FULL/NORMAL (contract)``, ``floor postgresql (contract)``: the least the
+  contract's steps must write (slot, domain seq, token, record, head, certificate),
+  hand-written on the store's indexes (:class:`FloorSQLiteClient`): how much of the gap to
+  the limit is the contract's, how much the store's;
 - ``once-kernel (sqlite NORMAL)``: ``once.Once`` on its ``SqliteStore`` (WAL, NORMAL is
   hard-wired), if ``pip install once-kernel`` is available (reported when missing);
 - ``--store URL`` (repeatable): any other store, e.g. postgresql://, redis://.
@@ -241,6 +245,178 @@ class RawRedisClient:
         self.r.close()
 
 
+# the contract's floor: what a store must write for one attempt, hand-written, no Python of
+# ours around it. A certificate of about the size the fence's rows carry.
+_FLOOR_CERT = (b'{"agent":"b","args":{"cents":500,"currency":"EUR","customer":"cus_123",'
+               b'"order_id":0},"domain":"acct:0","format":"effectfence.cert/1","hash":"'
+               + b"0" * 64 + b'","intent":"charge:0","parent":"' + b"0" * 64
+               + b'","read_set":[],"result":{"charge_id":"ch_0","status":"succeeded"},'
+               b'"seq":1,"tool":"charge","vector_clock":{"b":1}}')  # fmt: skip
+
+_FLOOR_SQLITE = """
+CREATE TABLE IF NOT EXISTS fence (id INTEGER PRIMARY KEY, token INTEGER NOT NULL,
+    clock_last REAL NOT NULL);
+INSERT OR IGNORE INTO fence VALUES (0, 0, 0);
+CREATE TABLE IF NOT EXISTS intents (intent TEXT PRIMARY KEY, state TEXT NOT NULL,
+    token INTEGER NOT NULL, fingerprint BLOB NOT NULL, domain TEXT NOT NULL,
+    agent TEXT NOT NULL, lease_until REAL NOT NULL, cert BLOB, until REAL NOT NULL,
+    seq INTEGER NOT NULL, reclaim_at REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS intents_reclaim ON intents (reclaim_at);
+CREATE INDEX IF NOT EXISTS intents_in_flight ON intents (domain) WHERE state = 'in_flight';
+CREATE TABLE IF NOT EXISTS domains (domain TEXT PRIMARY KEY, seq INTEGER NOT NULL,
+    head TEXT, clock TEXT);
+CREATE TABLE IF NOT EXISTS certs (domain TEXT NOT NULL, seq INTEGER NOT NULL,
+    hash TEXT NOT NULL, cert BLOB NOT NULL, committed_at REAL NOT NULL,
+    PRIMARY KEY (domain, seq));
+"""
+
+
+class FloorSQLiteClient(RawClient):
+    """The least SQLite can write for the contract (not a store: no read cache, no checks
+    beyond the ones a step must make): a claim that takes the slot, reserves the domain's
+    seq and draws a token from one persisted counter; a compare-by-token complete that
+    records the result, moves the domain's head and appends the certificate to the trail;
+    each a ``BEGIN IMMEDIATE`` transaction, on the same indexes the store keeps. A replay
+    reads the record and the clock in one statement. Measured beside the store and the raw
+    limit, it shows how much of the gap is the contract's writes and how much the store's."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.conn().executescript(_FLOOR_SQLITE)
+
+    def fresh(self, key: str, k: int, sink: int) -> None:
+        c, now, domain = self.conn(), time.time(), f"acct:{k % 64}"
+        c.execute("BEGIN IMMEDIATE")
+        seq = c.execute(
+            "INSERT INTO domains (domain, seq) VALUES (?, 1) ON CONFLICT (domain) "
+            "DO UPDATE SET seq = seq + 1 RETURNING seq",
+            (domain,),
+        ).fetchall()[0][0]
+        token = c.execute(
+            "UPDATE fence SET token = token + 1, clock_last = ? WHERE id = 0 RETURNING token",
+            (now,),
+        ).fetchall()[0][0]
+        took = c.execute(
+            "INSERT INTO intents VALUES (?, 'in_flight', ?, ?, ?, 'b', ?, NULL, 0, ?, ?) "
+            "ON CONFLICT DO NOTHING",
+            (key, token, b"f" * 32, domain, now + 30, seq, now + 60),
+        ).rowcount
+        c.execute("COMMIT")
+        assert took == 1
+        fire(sink, key)
+        c.execute("BEGIN IMMEDIATE")
+        done = c.execute(
+            "UPDATE intents SET state = 'done', lease_until = 0, cert = ?, until = ?, "
+            "reclaim_at = ? WHERE intent = ? AND token = ? AND state = 'in_flight'",
+            (_FLOOR_CERT, now + 3600, now + 7200, key, token),
+        ).rowcount
+        c.execute("UPDATE fence SET clock_last = ? WHERE id = 0", (now,))
+        c.execute(
+            "UPDATE domains SET head = ?, clock = ? WHERE domain = ?",
+            ("0" * 64, f'{{"b":{k}}}', domain),
+        )
+        c.execute(
+            "INSERT INTO certs VALUES (?, ?, ?, ?, ?)", (domain, seq, "0" * 64, _FLOOR_CERT, now)
+        )
+        c.execute("COMMIT")
+        assert done == 1
+
+    def replay(self, key: str, k: int, expect: str) -> None:
+        row = (
+            self.conn()
+            .execute(
+                "SELECT f.clock_last, i.state, i.cert FROM fence f LEFT JOIN intents i "
+                "ON i.intent = ? WHERE f.id = 0",
+                (key,),
+            )
+            .fetchone()
+        )
+        assert row[1] == "done" and row[2] == _FLOOR_CERT
+
+
+class FloorPostgresClient(RawPostgresClient):
+    """PostgreSQL's contract floor (see :class:`FloorSQLiteClient`): the claim one statement
+    (the domain's seq, a token from a sequence and the slot, in one CTE, on the server's
+    clock), the complete one statement (the record, the head and the certificate), each its
+    own fsynced autocommit transaction; a replay is one primary-key SELECT with the
+    server's time."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        c = self.conn()
+        s = self.table.rsplit(".", 1)[0]
+        self.s = s
+        c.execute(f"CREATE SEQUENCE IF NOT EXISTS {s}.tokens")
+        c.execute(
+            f"CREATE TABLE IF NOT EXISTS {s}.intents (intent text PRIMARY KEY, "
+            "state text NOT NULL, token bigint NOT NULL, fingerprint bytea NOT NULL, "
+            "domain text NOT NULL, agent text NOT NULL, lease_until float8 NOT NULL, "
+            "cert bytea, until float8 NOT NULL, seq bigint NOT NULL, reclaim_at float8 NOT NULL)"
+        )
+        c.execute(
+            f"CREATE INDEX IF NOT EXISTS intents_reclaim ON {s}.intents (reclaim_at) "
+            "WHERE reclaim_at < 1e300"
+        )
+        c.execute(
+            f"CREATE INDEX IF NOT EXISTS intents_in_flight ON {s}.intents (domain) "
+            "WHERE state = 'in_flight'"
+        )
+        c.execute(
+            f"CREATE TABLE IF NOT EXISTS {s}.domains (domain text PRIMARY KEY, "
+            "seq bigint NOT NULL, head text, clock jsonb)"
+        )
+        c.execute(
+            f"CREATE TABLE IF NOT EXISTS {s}.certs (domain text, seq bigint, hash text, "
+            "cert bytea, committed_at float8, PRIMARY KEY (domain, seq))"
+        )
+        self.claim = (
+            f"WITH n AS (SELECT extract(epoch FROM clock_timestamp())::float8 AS now), "
+            f"d AS (INSERT INTO {s}.domains AS x (domain, seq) VALUES (%(d)s, 1) "
+            "ON CONFLICT (domain) DO UPDATE SET seq = x.seq + 1 RETURNING seq) "
+            f"INSERT INTO {s}.intents SELECT %(k)s, 'in_flight', nextval('{s}.tokens'), "
+            "%(fp)s, %(d)s, 'b', n.now + 30, NULL, 0, d.seq, n.now + 60 FROM n, d "
+            "ON CONFLICT DO NOTHING RETURNING token"
+        )
+        self.complete = (
+            f"WITH n AS (SELECT extract(epoch FROM clock_timestamp())::float8 AS now), "
+            f"i AS (UPDATE {s}.intents SET state = 'done', lease_until = 0, cert = %(c)s, "
+            "until = (SELECT now FROM n) + 3600, reclaim_at = (SELECT now FROM n) + 7200 "
+            "WHERE intent = %(k)s AND token = %(t)s AND state = 'in_flight' "
+            "RETURNING domain, seq), "
+            f"h AS (UPDATE {s}.domains SET head = %(h)s, clock = %(v)s::jsonb "
+            "WHERE domain = (SELECT domain FROM i)) "
+            f"INSERT INTO {s}.certs SELECT i.domain, i.seq, %(h)s, %(c)s, n.now FROM i, n "
+            "RETURNING seq"
+        )
+
+    def fresh(self, key: str, k: int, sink: int) -> None:
+        c = self.conn()
+        row = c.execute(
+            self.claim, {"d": f"acct:{k % 64}", "k": key, "fp": b"f" * 32}, prepare=True
+        ).fetchone()
+        assert row is not None
+        fire(sink, key)
+        done = c.execute(
+            self.complete,
+            {"c": _FLOOR_CERT, "k": key, "t": row[0], "h": "0" * 64, "v": f'{{"b":{k}}}'},
+            prepare=True,
+        ).fetchone()
+        assert done is not None
+
+    def replay(self, key: str, k: int, expect: str) -> None:
+        row = (
+            self.conn()
+            .execute(
+                "SELECT extract(epoch FROM clock_timestamp())::float8, state, cert "
+                f"FROM {self.s}.intents WHERE intent = %s",
+                (key,),
+                prepare=True,
+            )
+            .fetchone()
+        )
+        assert row is not None and row[1] == "done" and row[2] == _FLOOR_CERT
+
+
 class OnceClient:
     def __init__(self, url: str) -> None:
         from once.sqlite import SqliteStore
@@ -272,6 +448,8 @@ CLIENTS: dict[str, Callable[[str], Any]] = {
     "raw": RawClient,
     "rawpg": RawPostgresClient,
     "rawredis": RawRedisClient,
+    "floor": FloorSQLiteClient,
+    "floorpg": FloorPostgresClient,
     "once": OnceClient,
 }
 
@@ -451,8 +629,10 @@ def main(argv: list[str] | None = None) -> int:
     rows += [
         ("sqlite FULL", "fence", sqlite_url("full", "full"), True),
         ("raw sqlite FULL (limit)", "raw", sqlite_url("full", "rawfull"), True),
+        ("floor sqlite FULL (contract)", "floor", sqlite_url("full", "floorfull"), True),
         ("sqlite NORMAL", "fence", sqlite_url("normal", "normal"), True),
         ("raw sqlite NORMAL (limit)", "raw", sqlite_url("normal", "rawnormal"), True),
+        ("floor sqlite NORMAL (contract)", "floor", sqlite_url("normal", "floornormal"), True),
     ]
     if once_pkg is not None:
         rows.append(("once-kernel (sqlite NORMAL)", "once", sqlite_url("normal", "once"), True))

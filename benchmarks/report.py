@@ -651,6 +651,27 @@ def _stores_tables(d: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def _floor_lines(d: dict[str, Any]) -> list[str]:
+    """Per store with a floor row, 1 client, fresh: the store and its floor against the
+    limit, and the store against its floor (what is the contract's, what is the store's)."""
+    by = {r["store"]: r for r in d["rows"]}
+    out: list[str] = []
+    for store, limit, floor in (
+        ("sqlite FULL", "raw sqlite FULL (limit)", "floor sqlite FULL (contract)"),
+        ("sqlite NORMAL", "raw sqlite NORMAL (limit)", "floor sqlite NORMAL (contract)"),
+        ("postgresql", "raw postgresql (limit)", "floor postgresql (contract)"),
+    ):
+        try:
+            s, lim, f = (by[n]["fresh 1 client"]["median"] for n in (store, limit, floor))
+        except (KeyError, TypeError):
+            continue
+        out.append(
+            f"- {store}, fresh, 1 client: the store {s / lim:.0%} of the limit; the "
+            f"contract's floor {f / lim:.0%} of it; the store {s / f:.0%} of its floor"
+        )
+    return [*out, ""] if out else []
+
+
 def _sec_stores(d: dict[str, Any]) -> list[str]:
     out = [
         f"{d['rounds']} round(s); fresh: {d['fresh_ops']:,} ops, replay: "
@@ -660,10 +681,14 @@ def _sec_stores(d: dict[str, Any]) -> list[str]:
         "transactions; PostgreSQL a one-statement claim (`INSERT ... ON CONFLICT DO "
         "NOTHING`) and complete (`UPDATE ... WHERE token`), each its own transaction; Redis "
         "`SET NX` and a three-line compare-by-token script; a replay is one primary-key read "
-        "(`GET`).",
+        "(`GET`). `floor` rows are the contract's floor: the least its steps must write (the "
+        "slot, the domain's seq, a token, the record, the head, the certificate), hand-written "
+        "on the store's own indexes with nothing around it (`benchmarks/bench_stores.py`, "
+        "`FloorSQLiteClient`, `FloorPostgresClient`).",
         "",
     ]
     out += _stores_tables(d, d["rows"])
+    out += _floor_lines(d)
     for scheme, why in d.get("skipped_rows", {}).items():
         out.append(f"- {scheme}: skipped: {why}")
     servers = d.get("servers", {})

@@ -1,7 +1,9 @@
 """Each store: fresh prepare+commit and replay per second, 1 client / 8 threads / 4 processes:
 ``bench_stores.measure`` (executions counted at an O_APPEND sink file, every replay checked
 against the committed hash), with each durable store's physical limit (a hand-written claim
-and complete, one statement or command per step) in the same run. PostgreSQL and Redis rows
+and complete, one statement or command per step) and, for SQLite and PostgreSQL, the
+contract's floor (the least the contract's steps must write, hand-written on the store's
+indexes: :class:`bench_stores.FloorSQLiteClient`) in the same run. PostgreSQL and Redis rows
 run when effectfence has the store and the server answers.
 """
 
@@ -67,6 +69,13 @@ def run(ctx: Context) -> dict[str, Any]:
             "WAL, synchronous=FULL",
         ),
         (
+            "floor sqlite FULL (contract)",
+            "floor",
+            sqlite_url("full", "floorfull"),
+            True,
+            "WAL, synchronous=FULL",
+        ),
+        (
             "sqlite NORMAL",
             "fence",
             sqlite_url("normal", "normal"),
@@ -77,6 +86,13 @@ def run(ctx: Context) -> dict[str, Any]:
             "raw sqlite NORMAL (limit)",
             "raw",
             sqlite_url("normal", "rawnormal"),
+            True,
+            "WAL, synchronous=NORMAL",
+        ),
+        (
+            "floor sqlite NORMAL (contract)",
+            "floor",
+            sqlite_url("normal", "floornormal"),
             True,
             "WAL, synchronous=NORMAL",
         ),
@@ -99,6 +115,10 @@ def run(ctx: Context) -> dict[str, Any]:
                 (scheme, "fence", bench_stores.namespaced(scheme, url), True, settings),
                 (limit, raw, bench_stores.namespaced(scheme, url), True, settings),
             ]
+            if scheme == "postgresql":
+                floor = f"floor {scheme} (contract)"
+                make = bench_stores.namespaced(scheme, url)
+                rows.append((floor, "floorpg", make, True, settings))
         else:
             skipped[scheme] = why
             ctx.progress(f"{scheme} row skipped: {why}")
