@@ -38,7 +38,7 @@ from effectfence import (
     LeaseLost,
     Replay,
 )
-from effectfence.clock import MAX_HEAD_AGENTS
+from effectfence.clock import HEAD_AGENTS_KEPT, MAX_HEAD_AGENTS
 from effectfence.protocol import IntentRecord, State
 from effectfence.store.base import APPLIED, BUSY, MOVED, RACE, STALE, FenceStore, Step
 
@@ -362,27 +362,29 @@ def test_claim_head_is_the_last_commit_on_the_domain(store: FenceStore) -> None:
 
 def test_a_head_clock_keeps_the_agents_with_the_most_events(store: FenceStore) -> None:
     """Every store bounds a domain's head clock the one way (clock.merge_head): unbounded,
-    it grew by an entry for each agent name ever seen, and every claim read it."""
+    it grew by an entry for each agent name ever seen, and every claim read it. Past the
+    bound it keeps HEAD_AGENTS_KEPT, so the next new agents cost no prune."""
     extra = 40
-    # counts 1..K+extra, and ties at the bound's edge decided by the smaller name
-    # (code point order: "Z" < "a" < "é"); names of every width, some non-ASCII
+    # counts 1..K+extra, and ties at the kept set's edge decided by the smaller name
+    # (code point order: "Z" < "a-" < "ag" < "é"); names of every width, some non-ASCII
     many = {f"agent-{i:05d}": i + 1 for i in range(MAX_HEAD_AGENTS + extra)}
-    edge = extra + 2  # K - 2 agents count more: two places left for the four at edge
-    ties = {"Z-tie": edge, "a-tie": edge, "é-tie": edge}
+    edge = MAX_HEAD_AGENTS + extra - HEAD_AGENTS_KEPT + 2  # KEPT - 2 agents count more
+    ties = {"Z-tie": edge, "a-tie": edge, "é-tie": edge}  # and agent-{edge - 1} has edge too
     a = held(store, "a", agent="x")
     assert complete(store, a, cert=cert_for(a, clock={**many, **ties})).ok
     step = claim(store, "b")
     head = step.head.clock
     everyone = sorted({**many, **ties}.items(), key=lambda e: (-e[1], e[0]))
-    assert head == dict(everyone[:MAX_HEAD_AGENTS])
-    assert len(head) == MAX_HEAD_AGENTS and "agent-00000" not in head
-    assert {"Z-tie", "a-tie"} <= head.keys() and "é-tie" not in head  # the edge's ties
-    # a later commit raising a left-out agent brings it back in
+    assert head == dict(everyone[:HEAD_AGENTS_KEPT])
+    assert len(head) == HEAD_AGENTS_KEPT and "agent-00000" not in head
+    assert {"Z-tie", "a-tie"} <= head.keys()  # the edge's two places: the smaller names
+    assert "é-tie" not in head and f"agent-{edge - 1:05d}" not in head
+    # a later commit raising a left-out agent brings it back in, and prunes nothing
     b = step.record
     assert b is not None
     assert complete(store, b, cert=cert_for(b, clock={"agent-00000": 10**6})).ok
     after = claim(store, "c").head.clock
-    assert after["agent-00000"] == 10**6 and len(after) == MAX_HEAD_AGENTS
+    assert after == {**head, "agent-00000": 10**6}
 
 
 # -- complete -------------------------------------------------------------------------------------

@@ -75,7 +75,7 @@ import redis.exceptions
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from effectfence.clock import MAX_HEAD_AGENTS
+from effectfence.clock import HEAD_AGENTS_KEPT, MAX_HEAD_AGENTS
 from effectfence.errors import StoreUnavailable
 from effectfence.protocol import IntentRecord, State
 from effectfence.store import _fork, mask_url
@@ -312,9 +312,9 @@ end
 r.state = 'done'; r.cert = ARGV[5]; r['until'] = deadline(t + tonumber(ARGV[8]))
 r.reclaim_at = deadline(t + tonumber(ARGV[9]))
 put(KEYS[1], ARGV[3], r)
--- the domain's head: this certificate, its clock merged (element-wise max) into the head's,
--- then at most MAX_HEAD_AGENTS agents, those with the most events, ties to the smaller name
--- in byte order (clock.merge_head; Lua's own string order follows the server's locale)
+-- the domain's head: this certificate, its clock merged (element-wise max) into the head's;
+-- past MAX_HEAD_AGENTS agents, the HEAD_AGENTS_KEPT with the most events, ties to the smaller
+-- name in byte order (clock.merge_head; Lua's own string order follows the server's locale)
 local dkey = P .. ':d:' .. domain
 local old = redis.call('HGET', dkey, 'clock')
 local merged = old and cjson.decode(old) or {}
@@ -334,7 +334,7 @@ if #kept > MAX_HEAD_AGENTS then
         return #a < #b
     end
     table.sort(kept, first)
-    for i = #kept, MAX_HEAD_AGENTS + 1, -1 do kept[i] = nil end
+    for i = #kept, HEAD_AGENTS_KEPT + 1, -1 do kept[i] = nil end
 end
 local parts = {}
 for _, e in ipairs(kept) do parts[#parts + 1] = cjson.encode(e[1]) .. ':' .. ifmt(e[2]) end
@@ -352,7 +352,9 @@ if ARGV[13] ~= '' then  -- certs_per_domain: the oldest seqs go, a prefix of the
 end
 changed(ARGV[3])
 return {'applied', cur, fmt(t)}
-""".replace("MAX_HEAD_AGENTS", str(MAX_HEAD_AGENTS))
+""".replace("MAX_HEAD_AGENTS", str(MAX_HEAD_AGENTS)).replace(
+    "HEAD_AGENTS_KEPT", str(HEAD_AGENTS_KEPT)
+)
 
 _FINISH = """
 -- KEYS[1] record
