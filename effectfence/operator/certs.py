@@ -159,7 +159,7 @@ def main(
             window = list(trail)
             before = outside_parents(fence.store, args.domain, window) if args.after else ()
             cut = fence.store.trail_cut(args.domain)
-            report = check_trail(window, outside=before, cut=cut if args.after <= cut else 0)
+            report = check_trail(window, outside=before, cut=cut)
             if report.domain is None:
                 report = TrailReport(True, 0, args.domain)
                 where = "" if args.after == 0 else f" after seq {args.after}"

@@ -341,7 +341,7 @@ class Console:
             cut = self.fence.store.trail_cut(domain)
         except TrailNotKept as exc:
             return {"ok": None, "reason": str(exc)}
-        return check_trail(certs, outside=before, cut=cut if start <= cut else 0).to_dict()
+        return check_trail(certs, outside=before, cut=cut).to_dict()
 
     def api_clear(
         self, headers: dict[str, str], body: bytes, session: tuple[str, str]

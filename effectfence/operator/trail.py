@@ -166,20 +166,22 @@ def check_trail(
     before it that it may follow (see :func:`outside_parents`).
 
     ``cut``: the seq through which the store's retention deleted this trail (its
-    :meth:`~effectfence.store.base.FenceStore.trail_cut`), for a trail read from where
-    the store's starts. Attempts admitted before the cut and committed after it name a
-    deleted certificate as parent; so do the first certificates kept. Such a link is
-    accepted for the first :data:`~effectfence.cert.MAX_OPEN_OVERLAPS` certificates after
-    the cut (the overlaps the chain check follows) and listed in ``after_cut``; further
-    on, a parent that is nowhere is a broken link as ever."""
+    :meth:`~effectfence.store.base.FenceStore.trail_cut`). The first certificates kept
+    name deleted ones as parents, and so do attempts admitted before the cut and committed
+    after it (whose own seq may even be below it: the cut does not wait for an attempt in
+    flight). Such a link is accepted for certificates up to seq ``cut +``
+    :data:`~effectfence.cert.MAX_OPEN_OVERLAPS` (the overlaps the chain check follows) and
+    listed in ``after_cut``; further on, a parent that is nowhere is a broken link as ever."""
     n = len(certs)
     if not n:
         return TrailReport(True, 0, cut=cut)
     after_cut: list[int] = []
-    if cut > 0 and certs[0].seq > cut:
+    if cut > 0:
         seen: set[str | None] = set(outside)
         extra: set[str] = set()
-        for c in certs[:MAX_OPEN_OVERLAPS]:
+        for c in certs:
+            if c.seq > cut + MAX_OPEN_OVERLAPS:
+                break
             if c.parent is not None and c.parent not in seen and c.parent not in extra:
                 extra.add(c.parent)
             if c.parent in extra:

@@ -65,7 +65,7 @@ import psycopg_pool
 from psycopg import pq, sql
 from psycopg.conninfo import conninfo_to_dict
 
-from effectfence.clock import MAX_HEAD_AGENTS
+from effectfence.clock import HEAD_AGENTS_KEPT, MAX_HEAD_AGENTS
 from effectfence.errors import StoreUnavailable
 from effectfence.protocol import IntentRecord, State
 from effectfence.store import _fork, mask_url
@@ -203,8 +203,8 @@ CREATE OR REPLACE FUNCTION {s}.now_(p_now float8) RETURNS float8 LANGUAGE sql VO
 CREATE OR REPLACE FUNCTION {s}.deadline_(t float8) RETURNS float8 LANGUAGE sql IMMUTABLE AS $$
     SELECT least(t, 1e300::float8) $$;
 
--- a domain's head clock after a commit (clock.merge_head): the element-wise maximum, then
--- at most {max_head} agents, those with the most events (ties: the smaller name, in code
+-- a domain's head clock after a commit (clock.merge_head): the element-wise maximum; past
+-- {max_head} agents, the {kept_head} with the most events (ties: the smaller name, in code
 -- point order as Python's). PL/pgSQL, not SQL: a SQL function that is not inlined is
 -- planned again at every call (~0.25 ms, measured)
 CREATE OR REPLACE FUNCTION {s}.merge_(a jsonb, b jsonb) RETURNS jsonb LANGUAGE plpgsql IMMUTABLE
@@ -219,7 +219,7 @@ BEGIN
     IF (SELECT count(*) FROM jsonb_object_keys(r)) > {max_head} THEN
         SELECT jsonb_object_agg(e.key, e.value) INTO r FROM (
             SELECT key, value FROM jsonb_each(r)
-             ORDER BY value::numeric DESC, key COLLATE "C" LIMIT {max_head}) e;
+             ORDER BY value::numeric DESC, key COLLATE "C" LIMIT {kept_head}) e;
     END IF;
     RETURN r;
 END $$;
@@ -576,8 +576,10 @@ BEGIN
 END $$;
 
 -- delete up to p_limit records whose deadline passed, and certificates past retention
+-- jit off: the planner's guess for the certificates' subquery crossed jit_above_cost, and
+-- compiling it cost ~100 ms a sweep for a batch that runs in ~3 ms
 CREATE OR REPLACE FUNCTION {s}.sweep(p_limit int, p_now float8) RETURNS int
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET jit = off AS $$
 DECLARE t float8 := {s}.now_(p_now); n int;
 BEGIN
     DELETE FROM {s}.intents WHERE intent IN (
@@ -588,18 +590,30 @@ BEGIN
     -- registrations of waiters gone with their records (the table holds a few rows at most)
     DELETE FROM {s}.watch w WHERE NOT EXISTS (
         SELECT 1 FROM {s}.intents i WHERE i.intent = w.intent);
-    -- only a prefix of each trail, taken in seq order (see SQLiteStore._sweep_batch), and
-    -- where each trail now starts
-    WITH gone AS (
-        DELETE FROM {s}.certs WHERE (domain, seq) IN (
-            SELECT c.domain, c.seq FROM {s}.certs c
-             WHERE c.keep_until <= t AND c.keep_until < 1e300 AND NOT EXISTS (
-                   SELECT 1 FROM {s}.certs e
-                    WHERE e.domain = c.domain AND e.seq < c.seq AND e.keep_until > t)
-             ORDER BY c.domain, c.seq LIMIT p_limit FOR UPDATE SKIP LOCKED)
-        RETURNING domain, seq)
+    -- only a prefix of each trail: a certificate none before it still kept, with all those
+    -- before it; one that must wait is kept until the one it waits for (see
+    -- SQLiteStore._sweep_batch); a batch is the first due ones by the certs_keep index;
+    -- and where each trail now starts
+    WITH first AS (
+        SELECT c.domain, c.seq FROM {s}.certs c
+         WHERE c.keep_until <= t AND c.keep_until < 1e300
+         ORDER BY c.keep_until LIMIT p_limit FOR UPDATE SKIP LOCKED),
+    judged AS (
+        SELECT f.domain, f.seq, (SELECT e.keep_until FROM {s}.certs e
+                WHERE e.domain = f.domain AND e.seq < f.seq AND e.keep_until > t LIMIT 1)
+               AS blocker
+          FROM first f),
+    later AS (
+        UPDATE {s}.certs x SET keep_until = j.blocker FROM judged j
+         WHERE j.blocker IS NOT NULL AND x.domain = j.domain AND x.seq = j.seq
+        RETURNING 1),
+    top AS (SELECT domain, max(seq) AS through FROM judged WHERE blocker IS NULL GROUP BY domain),
+    gone AS (
+        DELETE FROM {s}.certs x USING top
+         WHERE x.domain = top.domain AND x.seq <= top.through AND x.keep_until <= t
+        RETURNING x.domain)
     INSERT INTO {s}.trail_cuts AS x (domain, through)
-        SELECT domain, max(seq) FROM gone GROUP BY domain
+        SELECT domain, through FROM top
         ON CONFLICT (domain) DO UPDATE SET through = greatest(x.through, excluded.through);
     RETURN n;
 END $$;
@@ -1020,6 +1034,7 @@ class PostgresStore(FenceStore):
                             f=_F,
                             ch=f"'{self._channel}'",
                             max_head=MAX_HEAD_AGENTS,
+                            kept_head=HEAD_AGENTS_KEPT,
                         )
                         conn.execute(ddl.encode())
                         conn.execute(

@@ -499,6 +499,15 @@ CREATE TABLE IF NOT EXISTS trail_cuts (
 """
 
 
+#: the sweep's certificates: a batch of those due, each with the keep_until of one before it
+#: in its domain that is not due yet (NULL: none, it may go; see _sweep_batch)
+_SWEEP_CERTS = (
+    "SELECT c.domain, c.seq, (SELECT e.keep_until FROM certs e WHERE e.domain = c.domain "
+    "AND e.seq < c.seq AND e.keep_until > ?1 LIMIT 1) FROM (SELECT domain, seq FROM certs "
+    "WHERE keep_until <= ?1 AND keep_until < 1e300 ORDER BY keep_until LIMIT ?2) c"
+)
+
+
 def _ours(conn: sqlite3.Connection, tables: set[str]) -> bool:
     """Whether a non-empty file is a fence store: its tables, and the marks its creation
     wrote (an integer schema version and a store id), read without writing anything."""
@@ -1757,27 +1766,34 @@ class SQLiteStore(FenceStore):
             "WHERE reclaim_at <= ?1 ORDER BY reclaim_at LIMIT ?2) AND reclaim_at <= ?1",
             (now, batch),
         )
-        # Certificates go only as a prefix of their domain's trail: one is due only once
-        # every certificate before it is due too (keep_until follows commit time and each
-        # commit's result_ttl, so it need not grow with seq), and candidates are taken in
-        # seq order, so a batch never leaves a due one behind a deleted one. A hole would
-        # break the parent link over it and the trail check would call a sound trail
-        # tampered (found by review). Where each trail now starts is kept in trail_cuts.
-        gone = conn.execute(
-            "DELETE FROM certs WHERE (domain, seq) IN (SELECT c.domain, c.seq FROM certs c "
-            "WHERE c.keep_until <= ?1 AND c.keep_until < 1e300 AND NOT EXISTS (SELECT 1 "
-            "FROM certs e WHERE e.domain = c.domain AND e.seq < c.seq AND e.keep_until > ?1) "
-            "ORDER BY c.domain, c.seq LIMIT ?2) RETURNING domain, seq",
-            (now, batch),
-        ).fetchall()
-        through: dict[str, int] = {}
-        for domain, seq in gone:
-            through[domain] = max(seq, through.get(domain, 0))
-        conn.executemany(
-            "INSERT INTO trail_cuts (domain, through) VALUES (?, ?) ON CONFLICT (domain) "
-            "DO UPDATE SET through = max(through, excluded.through)",
-            through.items(),
-        )
+        # Certificates go only as a prefix of their domain's trail. keep_until follows each
+        # commit's time and result_ttl, not seq, so a certificate goes only when none
+        # before it in its domain is still kept, and with it go all those before it (due,
+        # then): a batch that stops short leaves no hole. A hole broke the parent link over
+        # it and the trail check called a sound trail tampered (found by review). One that
+        # must wait for an earlier one is kept until that one's keep_until (retention is a
+        # least time), so no later sweep looks it over again. A batch is the first due ones
+        # from the certs_keep index: certificates kept for ever cost the sweep nothing (a
+        # scan of them all under the write lock, found by review). Where each trail now
+        # starts is kept in trail_cuts (see check_trail for commits landing below it).
+        tops: dict[str, int] = {}
+        later: list[tuple[float, str, int]] = []
+        for domain, seq, blocker in conn.execute(_SWEEP_CERTS, (now, batch)).fetchall():
+            if blocker is None:
+                tops[domain] = max(seq, tops.get(domain, 0))
+            else:
+                later.append((blocker, domain, seq))
+        conn.executemany("UPDATE certs SET keep_until = ? WHERE domain = ? AND seq = ?", later)
+        for domain, through in tops.items():
+            conn.execute(
+                "DELETE FROM certs WHERE domain = ? AND seq <= ? AND keep_until <= ?",
+                (domain, through, now),
+            )
+            conn.execute(
+                "INSERT INTO trail_cuts (domain, through) VALUES (?, ?) ON CONFLICT (domain) "
+                "DO UPDATE SET through = max(through, excluded.through)",
+                (domain, through),
+            )
         return cur.rowcount
 
     # -- lifetime -------------------------------------------------------------------------
