@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 from effectfence.cert import EffectCert
 from effectfence.errors import IntentInFlight, InvalidRequest, Refusal, StoreUnavailable
-from effectfence.fence import EffectFence
+from effectfence.fence import EffectFence, running_effect
 from effectfence.model import EffectRequest, PreparedEffect
 
 __all__ = [
@@ -309,7 +309,8 @@ def run_sync(
                 continue
             stop = _renew_in_thread(fence, instr.ticket, instr.renew_every)
             try:
-                result = effect(instr.ticket)
+                with running_effect():  # a close from in here does not wait for it
+                    result = effect(instr.ticket)
             except BaseException as exc:
                 _stop_thread(stop)
                 instr = gen.throw(exc)

@@ -13,7 +13,7 @@ import hashlib
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -271,6 +271,101 @@ class _Waiter:
         self.count = 0
 
 
+class _Holds:
+    """The attempts in hand on one store, across the fences that share it.
+
+    :meth:`EffectFence.close` waits for them and closes the store once none is left, now
+    or when the last is given back: a fence sharing the store with others (wrap keeps one
+    per lease and TTL) must not close it under their effects. The lock is reentrant: a
+    signal handler's close may land while the thread it interrupted holds it. Counted per
+    fork generation: a child holds none of its parent's attempts."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(_fork.rlock())
+        self._gen = _fork.generation()
+        self._n = 0
+        self._close_later = False
+        self._closed = False  # by one of the fences: the others' close() has nothing to do
+
+    @classmethod
+    def of(cls, store: FenceStore) -> _Holds:
+        with _HOLDS_LOCK:
+            holds = getattr(store, "_effectfence_holds", None)
+            if not isinstance(holds, _Holds):
+                holds = cls()
+                with contextlib.suppress(AttributeError):  # no __dict__: this fence's own
+                    store._effectfence_holds = holds  # type: ignore[attr-defined]
+            return holds
+
+    def _fresh(self) -> None:
+        if self._gen != _fork.generation():
+            self._gen, self._n, self._close_later = _fork.generation(), 0, False
+
+    def take(self) -> None:
+        with self._cond:
+            self._fresh()
+            self._n += 1
+
+    def give_back(self) -> bool:
+        """True when the store should close now: the last attempt, and a close waiting."""
+        with self._cond:
+            self._fresh()
+            self._n = max(0, self._n - 1)
+            if self._n:
+                return False
+            self._cond.notify_all()
+            now, self._close_later = self._close_later, False
+            self._closed = self._closed or now
+            return now
+
+    def close_when_idle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for the attempts in hand; True: close the store now,
+        False: the last one given back closes it."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._fresh()
+            while self._n:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            if self._n:
+                self._close_later = True
+                return False
+            now, self._closed = not self._closed, True
+            return now
+
+
+#: effects running in this thread (run_sync's): a close from one of them, a signal handler
+#: interrupting it, must not wait for it
+_IN_EFFECT = threading.local()
+
+
+def _in_effect_here() -> bool:
+    if getattr(_IN_EFFECT, "n", 0) > 0:
+        return True
+    try:  # the loop's own effects wait on this thread: waiting here would stall them
+        import asyncio
+
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def running_effect() -> Iterator[None]:
+    """For the driver: around an effect it runs in this thread (see :meth:`EffectFence.close`)."""
+    _IN_EFFECT.n = getattr(_IN_EFFECT, "n", 0) + 1
+    try:
+        yield
+    finally:
+        _IN_EFFECT.n -= 1
+
+
+_HOLDS_LOCK = threading.Lock()
+
+
 class EffectFence:
     """Exactly one attempt per intent runs; every other learns what happened.
 
@@ -321,11 +416,10 @@ class EffectFence:
         self._waiters_lock = _fork.lock()
         self._sweep_due = -math.inf
         self._sweep_lock = _fork.lock()
-        # effects the driver holds (admitted, or being admitted, and not yet settled): close()
-        # waits for them. Counted per fork generation: a child holds none of its parent's.
+        # attempts the driver holds (admitted, or being admitted, and not yet settled), on
+        # this store by every fence sharing it: close() waits for them (see _Holds)
         self._closing = False
-        self._held = (_fork.generation(), 0)
-        self._idle = threading.Condition(_fork.lock())
+        self._holds = _Holds.of(store)
 
     @classmethod
     def from_url(cls, url: str, config: FenceConfig | None = None, **options: Any) -> EffectFence:
@@ -352,21 +446,20 @@ class EffectFence:
         An effect that ran while its store was closed under it could not be recorded: it
         stayed in flight, and once its lease lapsed an identical call ran it again. So from
         now on every prepare is refused ``store_unavailable``, and close waits up to
-        ``timeout`` seconds (default: the lease TTL, after which such an effect could be
-        taken over anyway) for the effects of :func:`~effectfence.fenced`,
-        :func:`~effectfence.run` and ``wrap`` to commit, abort or release. Tickets a caller
-        holds from :meth:`prepare` itself are the caller's to settle before closing. From
-        async code use :meth:`aclose`: waiting here would stall the loop they run on."""
+        ``timeout`` seconds (default: the lease TTL) for the effects of
+        :func:`~effectfence.fenced` and ``wrap`` on this store (by any fence sharing it) to
+        commit, abort or release. The store closes once none is left: now, or when the last
+        one settles (close returns at the timeout either way; it never waits for the calling
+        thread's own effect, as a signal handler's would, nor on an event loop's thread).
+        Tickets a caller holds from
+        :meth:`prepare` itself are the caller's to settle first. From async code use
+        :meth:`aclose`, so the loop's own effects can settle meanwhile."""
         wait = self._lease_ttl if timeout is None else float(timeout)
-        deadline = time.monotonic() + max(0.0, wait)
-        with self._idle:
-            self._closing = True
-            while self._holding() > 0:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._idle.wait(left)
-        self.store.close()
+        self._closing = True
+        if _in_effect_here():
+            wait = 0.0  # the effects that would settle are waiting on this very thread
+        if self._holds.close_when_idle(max(0.0, wait)):
+            self.store.close()
 
     async def aclose(self, timeout: float | None = None) -> None:
         """:meth:`close`, waiting in a thread so the event loop's effects can settle."""
@@ -379,25 +472,17 @@ class EffectFence:
         """Whether :meth:`close` was called: new attempts are refused."""
         return self._closing
 
-    def _holding(self) -> int:
-        gen, n = self._held
-        return n if gen == _fork.generation() else 0
-
     def _hold_effect(self) -> None:
-        """For the driver, before each prepare: one effect in hand until
+        """For the driver, before each prepare: one attempt in hand until
         :meth:`_let_effect_go`, or refused once :meth:`close` was called."""
-        with self._idle:
-            if self._closing:
-                self._count("store_unavailable")
-                raise self._closing_refusal()
-            self._held = (_fork.generation(), self._holding() + 1)
+        if self._closing:
+            self._count("store_unavailable")
+            raise self._closing_refusal()
+        self._holds.take()
 
     def _let_effect_go(self) -> None:
-        with self._idle:
-            n = self._holding() - 1
-            self._held = (_fork.generation(), max(0, n))
-            if n <= 0:
-                self._idle.notify_all()
+        if self._holds.give_back():
+            self.store.close()  # a close() was waiting for this one
 
     @staticmethod
     def _closing_refusal() -> StoreUnavailable:

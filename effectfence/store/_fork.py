@@ -17,7 +17,7 @@ import threading
 import weakref
 from typing import Any
 
-__all__ = ["LOCK", "abandon", "generation", "lock"]
+__all__ = ["LOCK", "abandon", "generation", "lock", "rlock"]
 
 _GENERATION = [0]
 _ABANDONED: list[Any] = []
@@ -37,6 +37,14 @@ def lock() -> threading.Lock:
     fork does not exist in the child, which would wait for it forever; the structures such
     a lock guards change in single bytecodes, so they are whole at any fork."""
     new = threading.Lock()
+    _LOCKS.add(new)
+    return new
+
+
+def rlock() -> Any:
+    """:func:`lock`, reentrant: for state a signal handler may touch while the thread it
+    interrupted holds the lock (a plain lock would deadlock that thread on itself)."""
+    new = threading.RLock()
     _LOCKS.add(new)
     return new
 
