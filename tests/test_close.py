@@ -26,6 +26,29 @@ def _fence(path: Path) -> EffectFence:
     return EffectFence(FenceConfig(lease_ttl=30.0, auto_sweep=False), store=SQLiteStore(str(path)))
 
 
+class Running:
+    """A fenced charge blocked mid-effect in a worker thread until :meth:`finish`."""
+
+    def __init__(self, fence: EffectFence, order: int = 1) -> None:
+        self.started, self.release = threading.Event(), threading.Event()
+        self.out: list[object] = []
+
+        @fenced(fence, intent="charge:{order}", domain="order:{order}")
+        def charge(order: int) -> str:
+            self.started.set()
+            assert self.release.wait(WAIT)
+            return "ch_1"
+
+        self.charge = charge
+        self.worker = threading.Thread(target=lambda: self.out.append(charge(order)))
+        self.worker.start()
+        assert self.started.wait(WAIT)
+
+    def finish(self) -> None:
+        self.release.set()
+        self.worker.join(WAIT)
+
+
 def _closing_began(fence: EffectFence) -> None:
     spin = threading.Event()
     for _ in range(100_000):
@@ -81,23 +104,11 @@ def test_close_returns_at_its_timeout_and_the_store_closes_when_the_effect_settl
 ) -> None:
     path = tmp_path / "t.db"
     fence = _fence(path)
-    started, release = threading.Event(), threading.Event()
-
-    @fenced(fence, intent="charge:{order}", domain="order:{order}")
-    def charge(order: int) -> str:
-        started.set()
-        assert release.wait(WAIT)
-        return "ch_1"
-
-    out: list[object] = []
-    worker = threading.Thread(target=lambda: out.append(charge(1)))
-    worker.start()
-    assert started.wait(WAIT)
+    run = Running(fence)
     fence.close(timeout=0.05)  # returns although the effect still runs...
     assert fence.intent_status("charge:1") is not None  # ...and the store is still open
-    release.set()
-    worker.join(WAIT)
-    assert out == ["ch_1"]  # recorded, not closed under it
+    run.finish()
+    assert run.out == ["ch_1"]  # recorded, not closed under it
     assert _state(path, "charge:1") is State.DONE
     with pytest.raises(StoreUnavailable):  # closed once the last effect settled
         fence.intent_status("charge:1")
@@ -151,26 +162,14 @@ def test_closing_one_fence_waits_for_the_effects_of_another_on_its_store(
     store = SQLiteStore(str(path))
     first = EffectFence(FenceConfig(lease_ttl=30.0, auto_sweep=False), store=store)
     second = EffectFence(FenceConfig(lease_ttl=60.0, auto_sweep=False), store=store)
-    started, release = threading.Event(), threading.Event()
-
-    @fenced(second, intent="charge:{order}", domain="order:{order}")
-    def charge(order: int) -> str:
-        started.set()
-        assert release.wait(WAIT)
-        return "ch_1"
-
-    out: list[object] = []
-    worker = threading.Thread(target=lambda: out.append(charge(1)))
-    worker.start()
-    assert started.wait(WAIT)
+    run = Running(second)
     closer = threading.Thread(target=first.close)
     closer.start()
     _closing_began(first)
     assert closer.is_alive()  # waiting for the other fence's effect on the same store
-    release.set()
-    worker.join(WAIT)
+    run.finish()
     closer.join(WAIT)
-    assert out == ["ch_1"] and _state(path, "charge:1") is State.DONE
+    assert run.out == ["ch_1"] and _state(path, "charge:1") is State.DONE
     second.close(timeout=0)  # the store is closed already: nothing to do
 
 
