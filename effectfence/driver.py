@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 from effectfence.cert import EffectCert
 from effectfence.errors import IntentInFlight, InvalidRequest, Refusal, StoreUnavailable
-from effectfence.fence import EffectFence, running_effect
+from effectfence.fence import EffectFence, driving
 from effectfence.model import EffectRequest, PreparedEffect
 
 __all__ = [
@@ -292,6 +292,16 @@ def run_sync(
     effect: Callable[[PreparedEffect], Any],
 ) -> FencedCall:
     """Carry out :func:`drive` in this thread; the lease is renewed from a helper thread."""
+    with driving():  # a close from in here (a signal handler) does not wait for it
+        return _run_sync(fence, request, options, effect)
+
+
+def _run_sync(
+    fence: EffectFence,
+    request: EffectRequest,
+    options: Options,
+    effect: Callable[[PreparedEffect], Any],
+) -> FencedCall:
     gen = drive(fence, request, options)
     try:
         instr = next(gen)
@@ -309,8 +319,7 @@ def run_sync(
                 continue
             stop = _renew_in_thread(fence, instr.ticket, instr.renew_every)
             try:
-                with running_effect():  # a close from in here does not wait for it
-                    result = effect(instr.ticket)
+                result = effect(instr.ticket)
             except BaseException as exc:
                 _stop_thread(stop)
                 instr = gen.throw(exc)
@@ -335,6 +344,18 @@ async def run_async(
     ``offload`` runs the fence's own steps in worker threads (for stores that do I/O), so
     the loop keeps serving other callers meanwhile: on the given :class:`Offloader`'s, or
     with ``True`` on the loop's default executor."""
+    with driving():  # an await aclose() from the effect does not wait for it
+        return await _run_async(fence, request, options, effect, offload=offload)
+
+
+async def _run_async(
+    fence: EffectFence,
+    request: EffectRequest,
+    options: Options,
+    effect: Callable[[PreparedEffect], Awaitable[Any]],
+    *,
+    offload: bool | Offloader = False,
+) -> FencedCall:
     gen = drive(fence, request, options)
     off_loop = _off_loop(offload)
 

@@ -9,6 +9,7 @@ the memory store is in-process, and durable stores bring their own drivers.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import hashlib
 import math
 import threading
@@ -300,27 +301,35 @@ class _Holds:
     def _fresh(self) -> None:
         if self._gen != _fork.generation():
             self._gen, self._n, self._close_later = _fork.generation(), 0, False
+            self._closed = False
 
-    def take(self) -> None:
+    def take(self) -> bool:
+        """One more attempt in hand; False (none taken) once the store is closed or closing
+        when idle: a fence sharing it that is not closing must not start one then."""
         with self._cond:
             self._fresh()
+            if self._closed:
+                return False
             self._n += 1
+            return True
 
-    def give_back(self) -> bool:
-        """True when the store should close now: the last attempt, and a close waiting."""
+    def give_back(self, store: FenceStore) -> None:
+        """One attempt settled; the last one closes the store if a close is waiting (it
+        runs in the settling caller's thread: an error there must not cost it its answer)."""
         with self._cond:
             self._fresh()
             self._n = max(0, self._n - 1)
             if self._n:
-                return False
+                return
             self._cond.notify_all()
-            now, self._close_later = self._close_later, False
-            self._closed = self._closed or now
-            return now
+            if self._close_later:
+                self._close_later, self._closed = False, True
+                with contextlib.suppress(Exception):
+                    store.close()
 
-    def close_when_idle(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` for the attempts in hand; True: close the store now,
-        False: the last one given back closes it."""
+    def close_when_idle(self, store: FenceStore, timeout: float) -> None:
+        """Wait up to ``timeout`` for the attempts in hand; then close the store, or leave
+        it to the last one given back. Closed under the lock: no attempt starts meanwhile."""
         deadline = time.monotonic() + timeout
         with self._cond:
             self._fresh()
@@ -331,18 +340,20 @@ class _Holds:
                 self._cond.wait(left)
             if self._n:
                 self._close_later = True
-                return False
-            now, self._closed = not self._closed, True
-            return now
+            elif not self._closed:
+                self._closed = True
+                store.close()
 
 
-#: effects running in this thread (run_sync's): a close from one of them, a signal handler
-#: interrupting it, must not wait for it
-_IN_EFFECT = threading.local()
+#: attempts the driver is carrying out in this context, from before the prepare to the
+#: settle: a close from inside one (a signal handler landing in the effect, the commit or
+#: the prepare; an ``await aclose()`` in an async effect, whose thread copies the context)
+#: must not wait for it. A context variable, not a thread's: found by review
+_DRIVING: contextvars.ContextVar[int] = contextvars.ContextVar("effectfence_driving", default=0)
 
 
 def _in_effect_here() -> bool:
-    if getattr(_IN_EFFECT, "n", 0) > 0:
+    if _DRIVING.get() > 0:
         return True
     try:  # the loop's own effects wait on this thread: waiting here would stall them
         import asyncio
@@ -354,13 +365,13 @@ def _in_effect_here() -> bool:
 
 
 @contextlib.contextmanager
-def running_effect() -> Iterator[None]:
-    """For the driver: around an effect it runs in this thread (see :meth:`EffectFence.close`)."""
-    _IN_EFFECT.n = getattr(_IN_EFFECT, "n", 0) + 1
+def driving() -> Iterator[None]:
+    """For the driver: around an attempt it carries out (see :meth:`EffectFence.close`)."""
+    token = _DRIVING.set(_DRIVING.get() + 1)
     try:
         yield
     finally:
-        _IN_EFFECT.n -= 1
+        _DRIVING.reset(token)
 
 
 _HOLDS_LOCK = threading.Lock()
@@ -457,9 +468,8 @@ class EffectFence:
         wait = self._lease_ttl if timeout is None else float(timeout)
         self._closing = True
         if _in_effect_here():
-            wait = 0.0  # the effects that would settle are waiting on this very thread
-        if self._holds.close_when_idle(max(0.0, wait)):
-            self.store.close()
+            wait = 0.0  # the effects that would settle are waiting on this very caller
+        self._holds.close_when_idle(self.store, max(0.0, wait))
 
     async def aclose(self, timeout: float | None = None) -> None:
         """:meth:`close`, waiting in a thread so the event loop's effects can settle."""
@@ -475,14 +485,12 @@ class EffectFence:
     def _hold_effect(self) -> None:
         """For the driver, before each prepare: one attempt in hand until
         :meth:`_let_effect_go`, or refused once :meth:`close` was called."""
-        if self._closing:
+        if self._closing or not self._holds.take():
             self._count("store_unavailable")
             raise self._closing_refusal()
-        self._holds.take()
 
     def _let_effect_go(self) -> None:
-        if self._holds.give_back():
-            self.store.close()  # a close() was waiting for this one
+        self._holds.give_back(self.store)
 
     @staticmethod
     def _closing_refusal() -> StoreUnavailable:

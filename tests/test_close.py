@@ -12,6 +12,7 @@ import asyncio
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -219,3 +220,69 @@ def test_a_replay_or_a_refusal_holds_nothing(tmp_path: Path) -> None:
     closer.start()
     closer.join(WAIT)
     assert not closer.is_alive()  # nothing was left held: close did not wait
+
+
+def test_a_close_landing_in_the_commit_does_not_wait_for_its_own_attempt(
+    tmp_path: Path,
+) -> None:
+    """Not only inside the effect: a handler may land in the prepare or the commit. There
+    close() waited the whole lease for its own attempt, whose lease (no longer renewed)
+    lapsed meanwhile, and another process ran the effect again (found by review)."""
+    path = tmp_path / "c.db"
+    fence = _fence(path)
+    took: list[float] = []
+    real_commit = fence.commit
+
+    def commit(*a: Any, **kw: Any) -> Any:
+        if not took:
+            t0 = time.monotonic()
+            fence.close()  # as a SIGTERM handler landing at the start of the commit would
+            took.append(time.monotonic() - t0)
+        return real_commit(*a, **kw)
+
+    fence.commit = commit  # type: ignore[method-assign]
+
+    @fenced(fence, intent="charge:{order}", domain="order:{order}")
+    def charge(order: int) -> str:
+        return "ch_1"
+
+    assert charge(1) == "ch_1"
+    assert took[0] < WAIT
+    assert _state(path, "charge:1") is State.DONE
+
+
+def test_aclose_inside_an_async_effect_does_not_wait_for_it(tmp_path: Path) -> None:
+    """aclose() runs close() in a worker thread, which copies the caller's context."""
+    path = tmp_path / "ac.db"
+    fence = _fence(path)
+    took: list[float] = []
+
+    @fenced(fence, intent="charge:{order}", domain="order:{order}")
+    async def charge(order: int) -> str:
+        t0 = time.monotonic()
+        await fence.aclose()
+        took.append(time.monotonic() - t0)
+        return "ch_1"
+
+    assert asyncio.run(charge(1)) == "ch_1"
+    assert took[0] < WAIT
+    assert _state(path, "charge:1") is State.DONE
+
+
+def test_no_attempt_starts_on_a_store_closed_by_another_fence(tmp_path: Path) -> None:
+    """A fence sharing the store that is not closing must not start an attempt once the
+    store is closed (or about to be) by another fence's close."""
+    store = SQLiteStore(str(tmp_path / "n.db"))
+    first = EffectFence(FenceConfig(lease_ttl=30.0, auto_sweep=False), store=store)
+    second = EffectFence(FenceConfig(lease_ttl=60.0, auto_sweep=False), store=store)
+    ran: list[int] = []
+
+    @fenced(second, intent="charge:{order}", domain="order:{order}")
+    def charge(order: int) -> str:
+        ran.append(order)
+        return "ch"
+
+    first.close()
+    with pytest.raises(StoreUnavailable, match="fence is closing"):  # refused before prepare
+        charge(1)
+    assert ran == []
