@@ -110,7 +110,10 @@ __all__ = ["DEFAULT_SCHEMA", "SCHEMA_VERSION", "PostgresStore", "StoreSchemaErro
 #: 7: ``trail_cuts``, and ``sweep`` deletes certificates only as a prefix of each trail
 #: (a hole made a sound trail fail its check); ``merge_`` bounds a head clock
 #: (clock.MAX_HEAD_AGENTS). Older code runs on with the new functions
-SCHEMA_VERSION = 7
+#: 8: ``merge_`` keeps clock.HEAD_AGENTS_KEPT past the bound; ``sweep`` reads only what may
+#: go, one sweeper at a time, a bounded batch, without JIT. (Functions change only with a
+#: new version: the DDL runs only on a schema older than this code's; found by review)
+SCHEMA_VERSION = 8
 DEFAULT_SCHEMA = "effectfence"
 DEFAULT_POOL_MAX = 8
 #: seconds to wait for a pooled connection (or a new one) before reporting unavailable
@@ -590,10 +593,14 @@ BEGIN
     -- registrations of waiters gone with their records (the table holds a few rows at most)
     DELETE FROM {s}.watch w WHERE NOT EXISTS (
         SELECT 1 FROM {s}.intents i WHERE i.intent = w.intent);
-    -- only a prefix of each trail: a certificate none before it still kept, with all those
-    -- before it; one that must wait is kept until the one it waits for (see
-    -- SQLiteStore._sweep_batch); a batch is the first due ones by the certs_keep index;
-    -- and where each trail now starts
+    -- only a prefix of each trail: a certificate none before it still kept, with those
+    -- before it (at most p_limit, in seq order); one that must wait is kept until the one
+    -- it waits for (see SQLiteStore._sweep_batch); a batch is the first due ones by the
+    -- certs_keep index; and where each trail now starts. One sweeper at a time: two
+    -- deleting each other's locked ranges deadlocked (found by review)
+    IF NOT pg_try_advisory_xact_lock(hashtext({ch}), 1) THEN
+        RETURN n;
+    END IF;
     WITH first AS (
         SELECT c.domain, c.seq FROM {s}.certs c
          WHERE c.keep_until <= t AND c.keep_until < 1e300
@@ -609,11 +616,13 @@ BEGIN
         RETURNING 1),
     top AS (SELECT domain, max(seq) AS through FROM judged WHERE blocker IS NULL GROUP BY domain),
     gone AS (
-        DELETE FROM {s}.certs x USING top
-         WHERE x.domain = top.domain AND x.seq <= top.through AND x.keep_until <= t
-        RETURNING x.domain)
+        DELETE FROM {s}.certs WHERE (domain, seq) IN (
+            SELECT x.domain, x.seq FROM {s}.certs x JOIN top ON x.domain = top.domain
+             WHERE x.seq <= top.through AND x.keep_until <= t
+             ORDER BY x.domain, x.seq LIMIT p_limit)
+        RETURNING domain, seq)
     INSERT INTO {s}.trail_cuts AS x (domain, through)
-        SELECT domain, through FROM top
+        SELECT domain, max(seq) FROM gone GROUP BY domain
         ON CONFLICT (domain) DO UPDATE SET through = greatest(x.through, excluded.through);
     RETURN n;
 END $$;

@@ -1784,15 +1784,23 @@ class SQLiteStore(FenceStore):
             else:
                 later.append((blocker, domain, seq))
         conn.executemany("UPDATE certs SET keep_until = ? WHERE domain = ? AND seq = ?", later)
-        for domain, through in tops.items():
-            conn.execute(
-                "DELETE FROM certs WHERE domain = ? AND seq <= ? AND keep_until <= ?",
-                (domain, through, now),
-            )
+        left = batch  # a batch deletes at most that many, in seq order: still a prefix
+        for domain, through in sorted(tops.items()):
+            if left <= 0:
+                break
+            gone = conn.execute(
+                "DELETE FROM certs WHERE (domain, seq) IN (SELECT domain, seq FROM certs "
+                "WHERE domain = ?1 AND seq <= ?2 AND keep_until <= ?3 ORDER BY seq LIMIT ?4) "
+                "RETURNING seq",
+                (domain, through, now, left),
+            ).fetchall()
+            if not gone:
+                continue
+            left -= len(gone)
             conn.execute(
                 "INSERT INTO trail_cuts (domain, through) VALUES (?, ?) ON CONFLICT (domain) "
                 "DO UPDATE SET through = max(through, excluded.through)",
-                (domain, through),
+                (domain, max(s for (s,) in gone)),
             )
         return cur.rowcount
 
