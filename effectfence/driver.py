@@ -292,7 +292,7 @@ def run_sync(
     effect: Callable[[PreparedEffect], Any],
 ) -> FencedCall:
     """Carry out :func:`drive` in this thread; the lease is renewed from a helper thread."""
-    with driving():  # a close from in here (a signal handler) does not wait for it
+    with driving(fence):  # a close from in here (a signal handler) does not wait for it
         return _run_sync(fence, request, options, effect)
 
 
@@ -344,7 +344,7 @@ async def run_async(
     ``offload`` runs the fence's own steps in worker threads (for stores that do I/O), so
     the loop keeps serving other callers meanwhile: on the given :class:`Offloader`'s, or
     with ``True`` on the loop's default executor."""
-    with driving():  # an await aclose() from the effect does not wait for it
+    with driving(fence):  # an await aclose() from the effect does not wait for it
         return await _run_async(fence, request, options, effect, offload=offload)
 
 

@@ -345,15 +345,28 @@ class _Holds:
                 store.close()
 
 
-#: attempts the driver is carrying out in this context, from before the prepare to the
-#: settle: a close from inside one (a signal handler landing in the effect, the commit or
-#: the prepare; an ``await aclose()`` in an async effect, whose thread copies the context)
-#: must not wait for it. A context variable, not a thread's: found by review
-_DRIVING: contextvars.ContextVar[int] = contextvars.ContextVar("effectfence_driving", default=0)
+class _Attempt:
+    """One attempt the driver carries out, on one store's holds, live until it ends."""
+
+    __slots__ = ("holds", "live")
+
+    def __init__(self, holds: _Holds) -> None:
+        self.holds, self.live = holds, True
 
 
-def _in_effect_here() -> bool:
-    if _DRIVING.get() > 0:
+#: the attempts the driver is carrying out in this context, from before the prepare to the
+#: settle: a close of their store from inside one (a signal handler landing in the effect,
+#: the commit or the prepare; an ``await aclose()`` in an async effect, whose thread copies
+#: the context) must not wait for it. A context variable, not a thread's; and each attempt
+#: marks itself dead when it ends, as a task or thread started inside it copies the mark and
+#: outlives it (found by review)
+_DRIVING: contextvars.ContextVar[tuple[_Attempt, ...]] = contextvars.ContextVar(
+    "effectfence_driving", default=()
+)
+
+
+def _in_effect_here(holds: _Holds) -> bool:
+    if any(a.live and a.holds is holds for a in _DRIVING.get()):
         return True
     try:  # the loop's own effects wait on this thread: waiting here would stall them
         import asyncio
@@ -365,12 +378,14 @@ def _in_effect_here() -> bool:
 
 
 @contextlib.contextmanager
-def driving() -> Iterator[None]:
+def driving(fence: EffectFence) -> Iterator[None]:
     """For the driver: around an attempt it carries out (see :meth:`EffectFence.close`)."""
-    token = _DRIVING.set(_DRIVING.get() + 1)
+    attempt = _Attempt(fence._holds)
+    token = _DRIVING.set((*_DRIVING.get(), attempt))
     try:
         yield
     finally:
+        attempt.live = False
         _DRIVING.reset(token)
 
 
@@ -467,7 +482,7 @@ class EffectFence:
         :meth:`aclose`, so the loop's own effects can settle meanwhile."""
         wait = self._lease_ttl if timeout is None else float(timeout)
         self._closing = True
-        if _in_effect_here():
+        if _in_effect_here(self._holds):
             wait = 0.0  # the effects that would settle are waiting on this very caller
         self._holds.close_when_idle(self.store, max(0.0, wait))
 

@@ -286,3 +286,80 @@ def test_no_attempt_starts_on_a_store_closed_by_another_fence(tmp_path: Path) ->
     with pytest.raises(StoreUnavailable, match="fence is closing"):  # refused before prepare
         charge(1)
     assert ran == []
+
+
+def test_a_close_from_an_attempt_on_another_store_waits(tmp_path: Path) -> None:
+    """The mark of an attempt in hand is its store's: closing another fence from inside
+    an attempt waited for nothing (found by review)."""
+    f1 = _fence(tmp_path / "1.db")
+    f2 = _fence(tmp_path / "2.db")
+    run = Running(f2)
+    closing = threading.Thread(target=lambda: run_close_inside(f1, f2))
+    closing.start()
+    _closing_began(f2)
+    # a close that does not wait leaves the store to the effect at once: give it a second
+    gave_up = threading.Event()
+    for _ in range(1000):
+        if f2._holds._close_later:
+            gave_up.set()
+            break
+        gave_up.wait(0.001)
+    assert not gave_up.is_set() and closing.is_alive()  # waiting for f2's effect in hand
+    run.finish()
+    closing.join(WAIT)
+    assert not closing.is_alive() and run.out == ["ch_1"]
+
+
+def run_close_inside(f1: EffectFence, f2: EffectFence) -> None:
+    @fenced(f1, intent="shutdown:{n}", domain="ops")
+    def shutdown(n: int) -> str:  # an attempt on f1 whose job is closing f2
+        f2.close(timeout=3 * WAIT)
+        return "ok"
+
+    shutdown(1)
+
+
+def test_a_task_started_inside_an_attempt_does_not_carry_its_mark_after_it(
+    tmp_path: Path,
+) -> None:
+    """A task started in an attempt copies the context; once the attempt ended, that
+    task's aclose() still skipped its wait for other effects (found by review)."""
+    path = tmp_path / "m.db"
+    fence = _fence(path)
+
+    async def main() -> None:
+        shutdown, closed = asyncio.Event(), asyncio.Event()
+        b_started, b_release = asyncio.Event(), asyncio.Event()
+        watchers: list[asyncio.Task[None]] = []
+
+        async def watcher() -> None:  # a shutdown hook started lazily, inside an attempt
+            await shutdown.wait()
+            await fence.aclose(timeout=3 * WAIT)
+            closed.set()
+
+        @fenced(fence, intent="a:{n}", domain="d:{n}")
+        async def a(n: int) -> str:
+            watchers.append(asyncio.create_task(watcher()))
+            return "ok"
+
+        @fenced(fence, intent="b:{n}", domain="d:{n}")
+        async def b(n: int) -> str:
+            b_started.set()
+            await b_release.wait()
+            return "ok"
+
+        await a(1)  # that attempt is over
+        tb = asyncio.create_task(b(2))
+        await asyncio.wait_for(b_started.wait(), WAIT)
+        shutdown.set()
+        # a close that does not wait returns within microseconds: give it a second
+        probe = asyncio.ensure_future(closed.wait())
+        await asyncio.wait([probe], timeout=1.0)
+        assert fence.closing and not closed.is_set()  # waiting for b's effect
+        probe.cancel()
+        b_release.set()
+        assert await asyncio.wait_for(tb, WAIT) == "ok"
+        await asyncio.wait_for(watchers[0], WAIT)
+
+    asyncio.run(main())
+    assert _state(path, "b:2") is State.DONE
