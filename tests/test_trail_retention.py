@@ -25,7 +25,7 @@ from support import sqlite_path as new_sqlite_path
 
 from effectfence import EffectCert, EffectFence, EffectRequest, FenceConfig
 from effectfence.cert import MAX_OPEN_OVERLAPS
-from effectfence.operator.trail import check_trail
+from effectfence.operator.trail import check_trail, kept_after_cut
 from effectfence.store.base import FenceStore
 
 DOMAIN = "acct:1"
@@ -357,3 +357,32 @@ def test_the_postgres_functions_change_only_with_the_schema_version() -> None:
     pinned = {8: "0921be849ba30452a6beefb53053a30c9ca9490ff0c5556d53a9085603a98330"}
     got = hashlib.sha256(postgres._DDL.encode()).hexdigest()
     assert pinned.get(postgres.SCHEMA_VERSION) == got, (postgres.SCHEMA_VERSION, got)
+
+
+def test_released_seqs_between_do_not_push_a_link_past_the_window(
+    timed_store: tuple[FenceStore, FakeClock],
+) -> None:
+    """Released attempts use seqs and leave no certificate: the first certificates kept
+    after a cut may sit far more than MAX_OPEN_OVERLAPS seqs past it and still follow a
+    deleted one. The window is counted in certificates kept (found by review)."""
+    store, clock = timed_store
+    short, long = fences(store)
+    a = short.commit(short.prepare(req("A")).ticket, "r")  # seq 1
+    tb = short.prepare(req("B")).ticket  # seq 2, parent A
+    for k in range(MAX_OPEN_OVERLAPS + 10):  # attempts that did not fire
+        short.release(short.prepare(req(f"released-{k}")).ticket)
+    t1 = long.prepare(req("X1")).ticket  # parent A (B not committed yet)
+    b = short.commit(tb, "r")
+    t2 = long.prepare(req("X2")).ticket  # parent B
+    x1, x2 = long.commit(t1, "r"), long.commit(t2, "r")
+    assert (x1.parent, x2.parent) == (a.hash, b.hash)
+    assert x2.seq > 2 + MAX_OPEN_OVERLAPS
+    clock.advance(SHORT + RETENTION + 1)
+    short.sweep()
+    kept = list(store.certs(DOMAIN))
+    cut = store.trail_cut(DOMAIN)
+    assert [c.seq for c in kept] == [x1.seq, x2.seq] and cut == 2
+    report = check_trail(kept, cut=cut)
+    assert report.ok, report.reason
+    # a part read after the first kept one counts it: still within the window
+    assert check_trail(kept[1:], cut=cut, kept_before=kept_after_cut(store, DOMAIN, cut, x1.seq)).ok

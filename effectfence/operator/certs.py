@@ -29,6 +29,7 @@ from effectfence.operator.trail import (
     TrailNotKept,
     TrailReport,
     check_trail,
+    kept_after_cut,
     load_file,
     outside_parents,
     read_trail,
@@ -159,7 +160,12 @@ def main(
             window = list(trail)
             before = outside_parents(fence.store, args.domain, window) if args.after else ()
             cut = fence.store.trail_cut(args.domain)
-            report = check_trail(window, outside=before, cut=cut)
+            report = check_trail(
+                window,
+                outside=before,
+                cut=cut,
+                kept_before=kept_after_cut(fence.store, args.domain, cut, args.after),
+            )
             if report.domain is None:
                 report = TrailReport(True, 0, args.domain)
                 where = "" if args.after == 0 else f" after seq {args.after}"

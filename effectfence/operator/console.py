@@ -56,6 +56,7 @@ from effectfence.operator.trail import (
     PAGE,
     TrailNotKept,
     check_trail,
+    kept_after_cut,
     outside_parents,
     read_trail,
 )
@@ -339,9 +340,10 @@ class Console:
             certs = list(read_trail(self.fence.store, domain, after_seq=start, limit=CHAIN_LIMIT))
             before = outside_parents(self.fence.store, domain, certs, since=max(0, start - PAGE))
             cut = self.fence.store.trail_cut(domain)
+            kept = kept_after_cut(self.fence.store, domain, cut, start)
         except TrailNotKept as exc:
             return {"ok": None, "reason": str(exc)}
-        return check_trail(certs, outside=before, cut=cut).to_dict()
+        return check_trail(certs, outside=before, cut=cut, kept_before=kept).to_dict()
 
     def api_clear(
         self, headers: dict[str, str], body: bytes, session: tuple[str, str]

@@ -26,6 +26,7 @@ __all__ = [
     "TrailNotKept",
     "TrailReport",
     "check_trail",
+    "kept_after_cut",
     "load_lines",
     "outside_parents",
     "read_trail",
@@ -155,12 +156,26 @@ def load_file(path: Path) -> tuple[list[EffectCert], list[int], str]:
         return load_lines(f)
 
 
+def kept_after_cut(store: FenceStore, domain: str, cut: int, through: int) -> int:
+    """How many certificates the store keeps with ``cut < seq <= through``, at most
+    :data:`~effectfence.cert.MAX_OPEN_OVERLAPS`: ``kept_before`` for :func:`check_trail` of
+    a part of the trail read after ``through``."""
+    if cut <= 0 or through <= cut:
+        return 0
+    return sum(
+        1
+        for c in read_trail(store, domain, after_seq=cut, limit=MAX_OPEN_OVERLAPS)
+        if c.seq <= through
+    )
+
+
 def check_trail(
     certs: list[EffectCert],
     lines: list[int] | None = None,
     *,
     outside: Iterable[str] = (),
     cut: int = 0,
+    kept_before: int = 0,
 ) -> TrailReport:
     """Check a trail in the order given (it must be seq order). ``outside``: certificates
     before it that it may follow (see :func:`outside_parents`).
@@ -169,9 +184,13 @@ def check_trail(
     :meth:`~effectfence.store.base.FenceStore.trail_cut`). The first certificates kept
     name deleted ones as parents, and so do attempts admitted before the cut and committed
     after it (whose own seq may even be below it: the cut does not wait for an attempt in
-    flight). Such a link is accepted for certificates up to seq ``cut +``
-    :data:`~effectfence.cert.MAX_OPEN_OVERLAPS` (the overlaps the chain check follows) and
-    listed in ``after_cut``; further on, a parent that is nowhere is a broken link as ever."""
+    flight). Such a link is accepted for the certificates below the cut and the first
+    :data:`~effectfence.cert.MAX_OPEN_OVERLAPS` above it (the overlaps the chain check
+    follows), counted as kept, not by seq: released attempts leave seqs with no
+    certificate (found by review). ``kept_before``: how many of those precede this part
+    of the trail (:func:`kept_after_cut`, for a part read with ``after_seq``). The links
+    accepted are listed in ``after_cut``; further on, a parent that is nowhere is a broken
+    link as ever."""
     n = len(certs)
     if not n:
         return TrailReport(True, 0, cut=cut)
@@ -179,9 +198,12 @@ def check_trail(
     if cut > 0:
         seen: set[str | None] = set(outside)
         extra: set[str] = set()
+        kept = kept_before
         for c in certs:
-            if c.seq > cut + MAX_OPEN_OVERLAPS:
-                break
+            if c.seq > cut:
+                if kept >= MAX_OPEN_OVERLAPS:
+                    break
+                kept += 1
             if c.parent is not None and c.parent not in seen and c.parent not in extra:
                 extra.add(c.parent)
             if c.parent in extra:
