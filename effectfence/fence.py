@@ -14,7 +14,7 @@ import hashlib
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -282,7 +282,11 @@ class _Holds:
     fork generation: a child holds none of its parent's attempts."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition(_fork.rlock())
+        # the lock alone on every attempt (twice per @fenced call); the condition only for
+        # a close that waits (a Condition's own enter/exit cost ~1 us a call, measured)
+        self._lock = _fork.rlock()
+        self._cond = threading.Condition(self._lock)
+        self._closers = 0  # closes waiting on the condition
         self._gen = _fork.generation()
         self._n = 0
         self._close_later = False
@@ -306,8 +310,9 @@ class _Holds:
     def take(self) -> bool:
         """One more attempt in hand; False (none taken) once the store is closed or closing
         when idle: a fence sharing it that is not closing must not start one then."""
-        with self._cond:
-            self._fresh()
+        with self._lock:
+            if self._gen != _fork.generation():
+                self._fresh()
             if self._closed:
                 return False
             self._n += 1
@@ -316,12 +321,14 @@ class _Holds:
     def give_back(self, store: FenceStore) -> None:
         """One attempt settled; the last one closes the store if a close is waiting (it
         runs in the settling caller's thread: an error there must not cost it its answer)."""
-        with self._cond:
-            self._fresh()
+        with self._lock:
+            if self._gen != _fork.generation():
+                self._fresh()
             self._n = max(0, self._n - 1)
             if self._n:
                 return
-            self._cond.notify_all()
+            if self._closers:
+                self._cond.notify_all()
             if self._close_later:
                 self._close_later, self._closed = False, True
                 with contextlib.suppress(Exception):
@@ -333,11 +340,15 @@ class _Holds:
         deadline = time.monotonic() + timeout
         with self._cond:
             self._fresh()
-            while self._n:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(left)
+            self._closers += 1
+            try:
+                while self._n:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+            finally:
+                self._closers -= 1
             if self._n:
                 self._close_later = True
             elif not self._closed:
@@ -377,16 +388,21 @@ def _in_effect_here(holds: _Holds) -> bool:
     return True
 
 
-@contextlib.contextmanager
-def driving(fence: EffectFence) -> Iterator[None]:
-    """For the driver: around an attempt it carries out (see :meth:`EffectFence.close`)."""
-    attempt = _Attempt(fence._holds)
-    token = _DRIVING.set((*_DRIVING.get(), attempt))
-    try:
-        yield
-    finally:
-        attempt.live = False
-        _DRIVING.reset(token)
+class driving:
+    """For the driver: around an attempt it carries out (see :meth:`EffectFence.close`).
+    A class, not a generator: it runs on every ``@fenced`` call."""
+
+    __slots__ = ("_attempt", "_token")
+
+    def __init__(self, fence: EffectFence) -> None:
+        self._attempt = _Attempt(fence._holds)
+
+    def __enter__(self) -> None:
+        self._token = _DRIVING.set((*_DRIVING.get(), self._attempt))
+
+    def __exit__(self, *exc: object) -> None:
+        self._attempt.live = False
+        _DRIVING.reset(self._token)
 
 
 _HOLDS_LOCK = threading.Lock()
