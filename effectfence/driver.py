@@ -293,42 +293,33 @@ def run_sync(
 ) -> FencedCall:
     """Carry out :func:`drive` in this thread; the lease is renewed from a helper thread."""
     with driving(fence):  # a close from in here (a signal handler) does not wait for it
-        return _run_sync(fence, request, options, effect)
-
-
-def _run_sync(
-    fence: EffectFence,
-    request: EffectRequest,
-    options: Options,
-    effect: Callable[[PreparedEffect], Any],
-) -> FencedCall:
-    gen = drive(fence, request, options)
-    try:
-        instr = next(gen)
-        while True:
-            if isinstance(instr, Wait | Pause):
+        gen = drive(fence, request, options)
+        try:
+            instr = next(gen)
+            while True:
+                if isinstance(instr, Wait | Pause):
+                    try:
+                        if isinstance(instr, Wait):
+                            fence.wait(instr.intent, instr.timeout)
+                        else:
+                            time.sleep(instr.seconds)
+                    except BaseException:
+                        gen.close()  # interrupted between steps: settled now, not when collected
+                        raise
+                    instr = next(gen)
+                    continue
+                stop = _renew_in_thread(fence, instr.ticket, instr.renew_every)
                 try:
-                    if isinstance(instr, Wait):
-                        fence.wait(instr.intent, instr.timeout)
-                    else:
-                        time.sleep(instr.seconds)
-                except BaseException:
-                    gen.close()  # interrupted between steps: settled now, not when collected
-                    raise
-                instr = next(gen)
-                continue
-            stop = _renew_in_thread(fence, instr.ticket, instr.renew_every)
-            try:
-                result = effect(instr.ticket)
-            except BaseException as exc:
+                    result = effect(instr.ticket)
+                except BaseException as exc:
+                    _stop_thread(stop)
+                    instr = gen.throw(exc)
+                    continue
                 _stop_thread(stop)
-                instr = gen.throw(exc)
-                continue
-            _stop_thread(stop)
-            instr = gen.send(result)
-    except StopIteration as done:
-        call: FencedCall = done.value
-        return call
+                instr = gen.send(result)
+        except StopIteration as done:
+            call: FencedCall = done.value
+            return call
 
 
 async def run_async(
@@ -345,67 +336,56 @@ async def run_async(
     the loop keeps serving other callers meanwhile: on the given :class:`Offloader`'s, or
     with ``True`` on the loop's default executor."""
     with driving(fence):  # an await aclose() from the effect does not wait for it
-        return await _run_async(fence, request, options, effect, offload=offload)
+        gen = drive(fence, request, options)
+        off_loop = _off_loop(offload)
 
-
-async def _run_async(
-    fence: EffectFence,
-    request: EffectRequest,
-    options: Options,
-    effect: Callable[[PreparedEffect], Awaitable[Any]],
-    *,
-    offload: bool | Offloader = False,
-) -> FencedCall:
-    gen = drive(fence, request, options)
-    off_loop = _off_loop(offload)
-
-    def advance(how: str, value: Any = None) -> tuple[bool, Any]:
-        # StopIteration cannot cross a thread's future: turn it into a value here
-        try:
-            if how == "send":
-                return False, gen.send(value)
-            return False, gen.throw(value)
-        except StopIteration as done:
-            return True, done.value
-
-    async def step(how: str, value: Any = None) -> tuple[bool, Any]:
-        if off_loop is None:
-            return advance(how, value)
-        hand = _Handoff(gen, advance)
-        try:
-            got: tuple[bool, Any] = await off_loop(hand.run, how, value)
-        except asyncio.CancelledError:
-            # the step goes on in its thread; what it leaves held (an admission nobody
-            # will act on) is let go by whichever comes last: the step, or this
-            done = hand.leave()
-            if done is not None:
-                _settle_later(off_loop, gen, done)
-            raise
-        return got
-
-    finished, instr = await step("send")
-    while not finished:
-        if isinstance(instr, Wait | Pause):
+        def advance(how: str, value: Any = None) -> tuple[bool, Any]:
+            # StopIteration cannot cross a thread's future: turn it into a value here
             try:
-                if isinstance(instr, Wait):
-                    await _wait_in_thread(fence, instr.intent, instr.timeout)
-                else:
-                    await asyncio.sleep(instr.seconds)
-            except BaseException:
-                gen.close()  # cancelled between steps: settled now (the driver is idle here)
+                if how == "send":
+                    return False, gen.send(value)
+                return False, gen.throw(value)
+            except StopIteration as done:
+                return True, done.value
+
+        async def step(how: str, value: Any = None) -> tuple[bool, Any]:
+            if off_loop is None:
+                return advance(how, value)
+            hand = _Handoff(gen, advance)
+            try:
+                got: tuple[bool, Any] = await off_loop(hand.run, how, value)
+            except asyncio.CancelledError:
+                # the step goes on in its thread; what it leaves held (an admission nobody
+                # will act on) is let go by whichever comes last: the step, or this
+                done = hand.leave()
+                if done is not None:
+                    _settle_later(off_loop, gen, done)
                 raise
-            finished, instr = await step("send")
-            continue
-        task = _renew_in_task(fence, instr.ticket, instr.renew_every, off_loop)
-        try:
-            result = await effect(instr.ticket)
-        except BaseException as exc:
+            return got
+
+        finished, instr = await step("send")
+        while not finished:
+            if isinstance(instr, Wait | Pause):
+                try:
+                    if isinstance(instr, Wait):
+                        await _wait_in_thread(fence, instr.intent, instr.timeout)
+                    else:
+                        await asyncio.sleep(instr.seconds)
+                except BaseException:
+                    gen.close()  # cancelled between steps: settled now (the driver is idle here)
+                    raise
+                finished, instr = await step("send")
+                continue
+            task = _renew_in_task(fence, instr.ticket, instr.renew_every, off_loop)
+            try:
+                result = await effect(instr.ticket)
+            except BaseException as exc:
+                _stop_task(task)
+                return await _conclude(step, "throw", exc, inline=off_loop is None)
             _stop_task(task)
-            return await _conclude(step, "throw", exc, inline=off_loop is None)
-        _stop_task(task)
-        return await _conclude(step, "send", result, inline=off_loop is None)
-    call: FencedCall = instr
-    return call
+            return await _conclude(step, "send", result, inline=off_loop is None)
+        call: FencedCall = instr
+        return call
 
 
 async def _conclude(
