@@ -840,7 +840,7 @@ def test_an_interrupt_while_a_failed_batch_rolls_back_never_answers_applied(
     its caller (nothing committed), and the connection must not stay in its transaction
     holding the write lock."""
     store = SQLiteStore(str(tmp_path / "group.db"), busy_timeout=0.2)
-    claim, discard = store._claim, store._discard
+    claim, discard = store._claim_empty, store._discard  # the body of a claim of an empty slot
 
     def breaking(conn: sqlite3.Connection, intent: str, *args: Any) -> Any:
         if intent == "charge:leader":
@@ -850,7 +850,7 @@ def test_an_interrupt_while_a_failed_batch_rolls_back_never_answers_applied(
     def interrupted(conn: sqlite3.Connection) -> None:
         raise KeyboardInterrupt("a second signal, before the ROLLBACK ran")
 
-    monkeypatch.setattr(store, "_claim", breaking)
+    monkeypatch.setattr(store, "_claim_empty", breaking)
     monkeypatch.setattr(store, "_discard", interrupted)
     out: dict[str, Any] = {}
 
@@ -881,7 +881,7 @@ def test_an_interrupt_while_a_failed_batch_rolls_back_never_answers_applied(
         other.execute("BEGIN IMMEDIATE")  # the write lock was let go
         other.execute("ROLLBACK")
         other.close()
-        monkeypatch.setattr(store, "_claim", claim)
+        monkeypatch.setattr(store, "_claim_empty", claim)
         assert _claim(store, "charge:a").outcome is APPLIED
     finally:
         store.close()
@@ -1940,3 +1940,50 @@ def test_default_store_url_env_override(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setenv("HOME", str(tmp_path / "h"))
     if sys.platform.startswith("linux"):
         assert default_store_url().endswith("/h/.local/state/effectfence/fence.db")
+
+
+def _claim_empty_slot(store: SQLiteStore, intent: str, agent: str) -> Any:
+    """The insert-first claim: what a decider that saw ``intent`` absent asks for."""
+    return store.claim(
+        intent,
+        expect=None,
+        fingerprint=b"f" * 32,
+        domain="d",
+        agent=agent,
+        lease_ttl=30.0,
+        reclaim_after=60.0,
+        compare=(),
+        reserve_at=None,
+    )
+
+
+def test_an_insert_first_claim_of_a_taken_slot_writes_nothing(tmp_path: Path) -> None:
+    """A claim of a slot its decider saw empty inserts first; found taken, the domain's
+    seq and the token it drew are rolled back with it, alone or in a batch, and the
+    answer is MOVED with the record that is there."""
+    from effectfence.store.base import MOVED
+
+    store = SQLiteStore(str(tmp_path / "t.db"))
+    try:
+        first = _claim_empty_slot(store, "i1", "a")
+        assert first.outcome is APPLIED and first.record is not None
+        seq, token = first.record.seq, first.record.token
+        alone = _claim_empty_slot(store, "i1", "b")
+        assert alone.outcome is MOVED and alone.found is not None
+        assert (alone.found.agent, alone.found.token) == ("a", token)
+        # in one batch: the taken slot's savepoint rolls back, the other step commits
+        out = _queue_behind_the_lock(
+            store,
+            [
+                lambda: _claim_empty_slot(store, "i1", "c"),
+                lambda: _claim_empty_slot(store, "i2", "c"),
+            ],
+        )
+        assert out[0].outcome is MOVED and out[0].found.token == token
+        assert out[1].outcome is APPLIED
+        # neither failed claim used a seq or a token: the next ones follow on
+        assert (out[1].record.seq, out[1].record.token) == (seq + 1, token + 1)
+        assert store.current("d") == seq + 1
+        assert store.get("i1").agent == "a"  # type: ignore[union-attr]
+    finally:
+        store.close()

@@ -330,6 +330,26 @@ def _newer(header: bytes, than: bytes) -> bool:
     return 0 < (_change(header) - _change(than)) % (1 << 32) < (1 << 31)
 
 
+def _row(rec: IntentRecord, cert_json: bytes | None) -> tuple[Any, ...]:
+    """A record's columns after ``intent``, then the intent: the parameters of _INSERT,
+    _INSERT_NEW and _UPDATE."""
+    return (
+        rec.state.value,
+        rec.token,
+        rec.fingerprint,
+        rec.domain,
+        rec.agent,
+        encode_deadline(rec.lease_until),
+        cert_json,
+        encode_deadline(rec.until),
+        rec.reason,
+        rec.since,
+        rec.seq,
+        encode_deadline(rec.reclaim_at),
+        rec.intent,
+    )
+
+
 class _Kept:
     """The read cache for one state of the database: the header that names it, the clock
     state of the ``fence`` row in it, and the records read (or written) in it.
@@ -384,6 +404,12 @@ _TRACKED = frozenset({"claim", "complete", "fail", "release", "renew"})
 _ABSENT = object()
 
 
+class _SlotTaken(Exception):
+    """An insert-first claim found the slot taken. Its transaction (or its savepoint in a
+    batch) is rolled back, so its domain reservation and token never happened, and the
+    claim runs again the checked way, which answers with what is there."""
+
+
 class _Step:
     """One caller's write step, run by whichever caller leads the next transaction."""
 
@@ -433,6 +459,13 @@ _INSERT = (
     f"VALUES ({', '.join('?' * len(RECORD_FIELDS))})"
 )
 _UPDATE = f"UPDATE intents SET {', '.join(f'{c} = ?' for c in RECORD_FIELDS[1:])} WHERE intent = ?"
+#: the insert-first claim's insert: a slot already taken writes nothing (see _claim_empty)
+_INSERT_NEW = _INSERT + " ON CONFLICT (intent) DO NOTHING"
+#: the domain's next seq, reserved (an absent domain starts at the floor), and its head
+_RESERVE_NEXT = (
+    "INSERT INTO domains (domain, seq) SELECT ?, floor + 1 FROM fence WHERE id = 0 "
+    "ON CONFLICT (domain) DO UPDATE SET seq = seq + 1 RETURNING seq, head, clock"
+)
 _SYNC = {"full": "FULL", "normal": "NORMAL"}
 
 _SCHEMA = """
@@ -1130,24 +1163,7 @@ class SQLiteStore(FenceStore):
         """Write a whole record: an UPDATE in place of one that exists (not INSERT OR
         REPLACE, which deletes the row and inserts it again: every index written twice)."""
         self._wrote[rec.intent] = rec  # for the read cache, if this commits (see _rekey)
-        conn.execute(
-            _INSERT if new else _UPDATE,
-            (
-                rec.state.value,
-                rec.token,
-                rec.fingerprint,
-                rec.domain,
-                rec.agent,
-                encode_deadline(rec.lease_until),
-                cert_json,
-                encode_deadline(rec.until),
-                rec.reason,
-                rec.since,
-                rec.seq,
-                encode_deadline(rec.reclaim_at),
-                rec.intent,
-            ),
-        )
+        conn.execute(_INSERT if new else _UPDATE, _row(rec, cert_json))
 
     @staticmethod
     def _fetch(conn: sqlite3.Connection, intent: str) -> Any:
@@ -1423,6 +1439,22 @@ class SQLiteStore(FenceStore):
         compare: Sequence[tuple[str, int]],
         reserve_at: int | None,
     ) -> Step:
+        if expect is None and not compare and reserve_at is None:
+            # the common case, a slot the decider saw empty: the insert is the compare
+            try:
+                empty: Step = self._write(
+                    "claim",
+                    self._claim_empty,
+                    intent,
+                    fingerprint,
+                    domain,
+                    agent,
+                    lease_ttl,
+                    reclaim_after,
+                )
+                return empty
+            except _SlotTaken:
+                pass  # rolled back whole: the checked claim below answers with what is there
         step: Step = self._write(
             "claim",
             self._claim,
@@ -1463,11 +1495,7 @@ class SQLiteStore(FenceStore):
                 return Step(STALE, found=cur, stale=stale)
         # condition 3: reserve: compare-exchange at reserve_at, else the next seq
         if reserve_at is None:
-            got = conn.execute(
-                "INSERT INTO domains (domain, seq) SELECT ?, floor + 1 FROM fence WHERE id = 0 "
-                "ON CONFLICT (domain) DO UPDATE SET seq = seq + 1 RETURNING seq, head, clock",
-                (domain,),
-            ).fetchall()[0]
+            got = conn.execute(_RESERVE_NEXT, (domain,)).fetchall()[0]
         else:
             at = self._at(conn, domain)
             if at != reserve_at:  # lost: nothing written, no domain created (G7)
@@ -1477,7 +1505,50 @@ class SQLiteStore(FenceStore):
                 "ON CONFLICT (domain) DO UPDATE SET seq = excluded.seq RETURNING seq, head, clock",
                 (domain, reserve_at + 1),
             ).fetchall()[0]
-        seq, head_hash, head_clock = got
+        rec, head = self._held(
+            conn, intent, fingerprint, domain, agent, lease_ttl, reclaim_after, got
+        )
+        self._put(conn, rec, None, new=cur is None)
+        return Step(APPLIED, rec, cur, head)
+
+    def _claim_empty(
+        self,
+        conn: sqlite3.Connection,
+        intent: str,
+        fingerprint: bytes,
+        domain: str,
+        agent: str,
+        lease_ttl: float,
+        reclaim_after: float,
+    ) -> Step:
+        """A claim of a slot the decider saw empty, with nothing compared and no seq asked
+        for: reserve, draw the token, and insert, the insert being condition 1 (a slot
+        taken meanwhile inserts nothing). One statement less than the checked claim, and no
+        record to decode. A slot found taken raises :class:`_SlotTaken`, which rolls back
+        the reservation and the token with the rest of the transaction (or savepoint)."""
+        got = conn.execute(_RESERVE_NEXT, (domain,)).fetchall()[0]
+        rec, head = self._held(
+            conn, intent, fingerprint, domain, agent, lease_ttl, reclaim_after, got
+        )
+        if conn.execute(_INSERT_NEW, _row(rec, None)).rowcount != 1:
+            raise _SlotTaken(intent)
+        self._wrote[intent] = rec  # for the read cache, if this commits (see _rekey)
+        return Step(APPLIED, rec, None, head)
+
+    def _held(
+        self,
+        conn: sqlite3.Connection,
+        intent: str,
+        fingerprint: bytes,
+        domain: str,
+        agent: str,
+        lease_ttl: float,
+        reclaim_after: float,
+        reserved: Sequence[Any],
+    ) -> tuple[IntentRecord, Head]:
+        """A claim's record once its seq is ``reserved`` (seq, head hash, head clock): the
+        token and the lease from one tick of the clock, under the write lock."""
+        seq, head_hash, head_clock = reserved
         now, token = self._tick(conn, token=True)
         rec = IntentRecord(
             intent,
@@ -1494,9 +1565,8 @@ class SQLiteStore(FenceStore):
             seq,
             now + reclaim_after,
         )
-        self._put(conn, rec, None, new=cur is None)
         head = EMPTY_HEAD if head_hash is None else Head(head_hash, json.loads(head_clock))
-        return Step(APPLIED, rec, cur, head)
+        return rec, head
 
     def complete(
         self,
