@@ -963,6 +963,42 @@ def test_redis_claim_reply_lost_is_unavailable_never_fresh(rs: Any) -> None:
     assert fence.stats()["prepare"]["store_unavailable"] == 1
 
 
+def test_redis_a_claim_that_lost_its_reply_answers_only_what_it_cannot_have_made(
+    rs: Any,
+) -> None:
+    """Redis claims first too, so a replay's one round trip is the claim script. When its
+    reply is lost, a re-read that finds the intent done answers, as on PostgreSQL: the
+    duplicate replays instead of hearing store_unavailable (found by review). A record in
+    flight may be the lost claim's own: that stays unavailable, and nothing runs twice."""
+    import redis
+
+    fence = EffectFence(FenceConfig(auto_sweep=False), store=rs)
+    cert = fence.commit(fence.prepare(req()).ticket, "ok")
+    real = rs._s_claim
+    lost: list[int] = []
+
+    def lose_reply(*a: Any, **kw: Any) -> Any:
+        out = real(*a, **kw)
+        if not lost:
+            lost.append(1)
+            raise redis.ConnectionError("Connection closed by server.")
+        return out
+
+    rs._s_claim = lose_reply
+    try:
+        again = fence.prepare(req(agent="b"))
+        assert lost, "the claim's reply was lost"
+        assert not again.fresh and again.cert.hash == cert.hash
+        lost.clear()
+        got = _catch(lambda: fence.prepare(req("charge:2")))
+        assert lost
+    finally:
+        rs._s_claim = real
+    assert isinstance(got, StoreUnavailable), got
+    rec = rs.get("charge:2")
+    assert rec is not None and rec.state is State.IN_FLIGHT  # it applied; nobody holds it
+
+
 def test_redis_a_waiter_is_not_told_live_before_the_subscription_is(rs: Any) -> None:
     """A PUBLISH the server handles before the listener's SUBSCRIBE reaches nobody. A
     listener counted as live once it had *sent* SUBSCRIBE let a waiter sleep through the

@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from enum import Enum
 from typing import Any
 
+from effectfence.errors import StoreUnavailable
 from effectfence.protocol import IntentRecord, State
 
 __all__ = ["EMPTY_HEAD", "FenceStore", "Head", "Outcome", "Step", "StoreMissing"]
@@ -201,6 +202,21 @@ class FenceStore(ABC):
         """The record and the store's ``now``, read together (one round trip where the store
         is remote: a replay is this one read)."""
         return self.get(intent), self.now()
+
+    def finished_after_lost_claim(self, intent: str) -> Step | None:
+        """After a claim of a slot its decider saw empty lost its connection (remote stores
+        claim first, so that claim was also the duplicate's only look): a finished record
+        (done or failed) is not one that claim could have made, so it is an answer (MOVED,
+        at a fresh read's clock), as a replay's read lost the same way is retried. Nothing
+        there, or a record in flight (perhaps the lost claim's own): None, and the claim is
+        unavailable."""
+        try:
+            rec, now = self.read(intent)
+        except StoreUnavailable:
+            return None
+        if rec is None or rec.state is State.IN_FLIGHT:
+            return None
+        return Step(MOVED, found=rec, now=now)
 
     @abstractmethod
     def current(self, domain: str) -> int:

@@ -1275,7 +1275,7 @@ class PostgresStore(FenceStore):
             # the claim may have applied and lost its reply; its lease lapses like a crashed
             # holder's, and this caller runs nothing
             if expect is None:
-                finished = self._finished(intent)
+                finished = self.finished_after_lost_claim(intent)
                 if finished is not None:
                     return finished
             raise self._unavailable("claim", exc) from exc
@@ -1305,20 +1305,6 @@ class PostgresStore(FenceStore):
         )
         head = EMPTY_HEAD if row[16] is None else Head(row[16], row[17] or {})
         return Step(APPLIED, rec, found, head, now=now)
-
-    def _finished(self, intent: str) -> Step | None:
-        """After a claim expecting an empty slot lost its connection: a finished record
-        (done or failed) is not one that claim could have made, so it is an answer (MOVED,
-        at a fresh read's clock), as a replay's read lost the same way was retried when
-        prepare read first. Nothing there, or a record in flight (perhaps the lost claim's
-        own): None, and the claim is unavailable."""
-        try:
-            rec, now = self.read(intent)
-        except StoreUnavailable:
-            return None
-        if rec is None or rec.state is State.IN_FLIGHT:
-            return None
-        return Step(MOVED, found=rec, now=now)
 
     def complete(
         self,

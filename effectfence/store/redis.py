@@ -1204,7 +1204,11 @@ class RedisStore(FenceStore):
             out = self._call("claim", self._s_claim, keys, args)
         except _Lost as exc:
             # the claim may have applied and lost its reply; its lease lapses like a crashed
-            # holder's, and this caller runs nothing
+            # holder's, and this caller runs nothing; a finished record is an answer
+            if expect is None:
+                finished = self.finished_after_lost_claim(intent)
+                if finished is not None:
+                    return finished
             raise self._unavailable("claim", exc) from exc
         outcome = out[0]
         found = self._decode(intent, out[1])
