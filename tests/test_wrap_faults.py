@@ -944,3 +944,133 @@ def test_the_default_scope_tells_servers_of_one_command_apart(tmp_path: Path) ->
     assert default_namespace(["x", "--db=shop.db"], {}, str(tmp_path / "a")) != (
         default_namespace(["x", "--db=shop.db"], {}, str(tmp_path / "b"))
     )
+
+
+@pytest.mark.parametrize("then", ["answer", "death"])
+async def test_a_relayed_batch_is_owed_its_answers_and_gets_them_if_the_child_dies(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, then: str
+) -> None:
+    """A batch without tool calls (MCP 2025-03-26) is relayed as it came. Its requests'
+    ids were never recorded as owed by the child, so when the child died first nobody
+    answered them and the client waited for ever (found by review). Each is now owed: a
+    dead child's are answered an error, as a single request's are, and the child's own
+    batch answer settles them."""
+    gate = tmp_path / "gate"
+    h = Harness(tmp_path, monkeypatch, RAW_HOLD=str(gate))
+    await h.start()
+    child = h.proxy.child
+    assert child is not None
+    h.raw(
+        json.dumps(
+            [
+                {"jsonrpc": "2.0", "id": "b1", "method": "hold", "params": {}},
+                {"jsonrpc": "2.0", "method": "notifications/progress", "params": {}},
+                {"jsonrpc": "2.0", "id": 7, "method": "ping", "params": {}},
+            ]
+        ).encode()
+    )
+    await _asked(gate)
+    assert child.relayed == {"b1", 7}
+    if then == "answer":
+        gate.touch()
+        async with asyncio.timeout(BOUND):
+            while child.relayed:  # the batch answer settles both
+                await asyncio.sleep(0.01)
+        answered = [m for line in h.out for m in _messages(line) if m.get("id") in ("b1", 7)]
+        assert sorted(str(m["id"]) for m in answered) == ["7", "b1"]
+        assert all("result" in m for m in answered)
+    else:
+        child.proc.kill()
+        for rid in ("b1", 7):
+            assert (
+                "effectfence wrap: the server behind the fence"
+                in (
+                    await h.answer(rid)  # type: ignore[arg-type]
+                )["error"]["message"]
+            )
+    assert "result" in await h.answer(h.send("ping"))
+    assert await h.stop() == 0
+
+
+def _messages(line: bytes) -> list[dict[str, Any]]:
+    """The JSON-RPC messages of a line written to the client (one, or a batch)."""
+    msg = json.loads(line)
+    return [m for m in (msg if isinstance(msg, list) else [msg]) if isinstance(m, dict)]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+async def test_a_termination_signal_mid_call_leaves_the_intent_fenced(
+    tmp_path: Path, signum: int
+) -> None:
+    """An MCP client shuts its server down by closing stdin, then SIGTERM two seconds
+    later. The wrapper had no handler: the signal killed it with the intent in flight, and
+    once the lease lapsed an identical call ran the charge again (found by review). Now the
+    call in progress is cancelled and aborted (outcome unknown): the intent is fenced, a
+    later identical call is refused, and the wrapper exits 128 + the signal."""
+    from effectfence import EffectFence
+    from effectfence.store import open_store
+    from effectfence.wrap.client import StdioClient
+    from effectfence.wrap.policy import ToolPolicy
+
+    store, gate = f"sqlite:///{tmp_path / 'fence.db'}", tmp_path / "gate"
+    env = {
+        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "RAW_LEDGER": str(tmp_path / "ledger.jsonl"),
+        "RAW_STARTS": str(tmp_path / "starts"),
+    }
+    argv = [sys.executable, "-m", "effectfence", "wrap", "--store", store, "--namespace", "sig"]
+    argv += ["--", *CHILD]
+    client = await StdioClient.start(argv, env={**env, "RAW_CHARGE_GATE": str(gate)})
+    await client.initialize("sig")
+    call = asyncio.ensure_future(client.call_tool("charge", {"order": 1}, timeout=BOUND))
+    await _asked(gate)  # the child is running the charge
+    client.proc.send_signal(signum)  # the wrapper alone: its close stops the child
+    async with asyncio.timeout(BOUND):
+        code = await client.proc.wait()
+    call.cancel()
+    with contextlib.suppress(BaseException):
+        await call
+    await client.close()
+    assert code == 128 + signum
+    probe = Proxy(["x"], lambda _: None, store_url="memory:", namespace="sig")
+    intent = probe.request_for("charge", {"order": 1}, ToolPolicy()).intent
+    probe.offloader.close()
+    fence = EffectFence(store=open_store(store))
+    try:
+        assert fence.intent_status(intent).state == "failed"
+    finally:
+        fence.close()
+    again = await StdioClient.start(argv, env=env)  # no gate: a charge would run at once
+    try:
+        await again.initialize("sig")
+        refused = await again.call_tool("charge", {"order": 1}, timeout=BOUND)
+    finally:
+        await again.close()
+    assert refused.get("isError") and "intent_failed" in json.dumps(refused)
+    assert len([json.loads(x) for x in (tmp_path / "ledger.jsonl").read_text().splitlines()]) == 1
+
+
+async def test_a_termination_signal_while_closing_stops_the_drain_and_fences_the_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The MCP client's order: stdin closes first (close() waits up to a minute for the
+    fenced calls), SIGTERM comes two seconds later. The signal must end that wait with
+    the call aborted, not leave it to be killed in flight."""
+    gate = tmp_path / "gate"
+    h = Harness(tmp_path, monkeypatch, RAW_CHARGE_GATE=str(gate))
+    await h.start()
+    rid = h.send("tools/call", {"name": "charge", "arguments": {"order": 2}})
+    await _asked(gate)
+    (call,) = h.proxy.calls.values()
+    h.reader.feed_eof()
+    async with asyncio.timeout(BOUND):
+        while not h.proxy.closing:  # close() is draining the fenced call now
+            await asyncio.sleep(0.01)
+    assert not call.task.done()  # type: ignore[union-attr]
+    fence = next(iter(h.proxy._fences.values()))
+    h.proxy.terminate(signal.SIGTERM)
+    async with asyncio.timeout(BOUND):
+        assert await h.task == 128 + signal.SIGTERM
+    assert not any(json.loads(line).get("id") == rid for line in h.out)  # cancelled: no answer
+    (rec,) = list(fence.store.records())
+    assert rec.state.value == "failed" and len(h.ledger()) == 1

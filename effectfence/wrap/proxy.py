@@ -51,6 +51,7 @@ import json
 import os
 import re
 import secrets
+import signal
 import stat
 import sys
 import time
@@ -92,6 +93,8 @@ MAX_DEPTH = 512
 MAX_RESULT_BYTES = 16 << 20
 MAX_ARGS_BYTES = 16 << 20
 CHILD_EXIT_GRACE = 5.0  # s the child gets to exit after its stdin closes, then SIGTERM
+#: the same once a termination signal came: an MCP client kills two seconds after SIGTERM
+TERMINATE_GRACE = 1.0
 EXIT_DRAIN = 0.5  # s to read what an exited child wrote before it exited
 EXIT_POLL = 0.1  # s between looks at whether the child exited (see _exit_code)
 RESTART_WINDOW, RESTART_LIMIT = 30.0, 5  # more starts than this in the window: give up
@@ -201,6 +204,15 @@ def _lenient(line: bytes) -> Any:
         return json.loads(line.decode("utf-8", "replace"))
     except (ValueError, RecursionError):
         return _UNREADABLE
+
+
+def _batch_ids(batch: list[Any]) -> tuple[Any, ...]:
+    """The ids of a batch's requests (its members with a method and a usable id)."""
+    return tuple(
+        m["id"]
+        for m in batch
+        if isinstance(m, dict) and type(m.get("method")) is str and _is_id(m.get("id"))
+    )
 
 
 def _is_id(value: Any) -> bool:
@@ -355,6 +367,10 @@ class Child:
         self.pending.clear()
 
 
+class _Terminated(Exception):
+    """What the client's reader raises once a termination signal came (Proxy.terminate)."""
+
+
 @dataclass(slots=True)
 class _Call:
     """A fenced call in progress: its task, and the id it has in the child (if running)."""
@@ -435,6 +451,9 @@ class Proxy:
         self._tasks: set[asyncio.Task[None]] = set()
         self.closing = False
         self.fatal: str | None = None
+        #: the signal that ended the relay (see terminate), if one did
+        self.terminated: int | None = None
+        self._reader: asyncio.StreamReader | None = None
 
     # -- fences ---------------------------------------------------------------------------
     def fence_for(self, tp: ToolPolicy) -> EffectFence:
@@ -662,12 +681,18 @@ class Proxy:
                 return
             self._refuse_batch(msg)
             return
+        if isinstance(msg, list):
+            # a batch without tool calls, relayed as it came: the child owes an answer to
+            # each of its requests, which is answered for it if it dies first (unrecorded,
+            # they went unanswered and their client waited for ever, found by review)
+            await self._forward(line, _batch_ids(msg))
+            return
         if not isinstance(msg, dict):
-            await self._forward(line, None)  # the child answers what it can't parse
+            await self._forward(line, ())  # the child answers what it can't parse
             return
         method = msg.get("method")
         if type(method) is not str:  # a response to a server-to-client request
-            await self._forward(line, None)
+            await self._forward(line, ())
             return
         params = msg.get("params")
         if "id" not in msg:
@@ -684,7 +709,7 @@ class Proxy:
                 self._forget_relayed(params.get("requestId"))  # and relayed as it came
             elif method == "notifications/initialized":
                 self.initialized = True
-            await self._forward(line, None, msg)
+            await self._forward(line, (), msg)
             return
         cid = msg["id"]
         if not _is_id(cid):
@@ -721,7 +746,7 @@ class Proxy:
                 self._set_agent(info.get("name"))
         elif method == "server/discover":
             self.era = "modern"  # a handshake-era child refuses; the client then initializes
-        await self._forward(line, cid, msg)
+        await self._forward(line, (cid,), msg)
 
     def _refuse_batch(self, batch: list[Any]) -> None:
         """A JSON-RPC batch (MCP 2025-03-26 only) that calls a tool: relayed whole, its
@@ -746,10 +771,13 @@ class Proxy:
         if type(name) is str and name.strip():
             self.agent = _ascii(name.strip())[:200]
 
-    async def _forward(self, line: bytes, cid: Any, msg: dict[str, Any] | None = None) -> None:
+    async def _forward(
+        self, line: bytes, ids: tuple[Any, ...], msg: dict[str, Any] | None = None
+    ) -> None:
         """Relay the client's bytes as they came (stripped of 2026-era keys for a
-        handshake-era child); remember request ids the child now owes an answer."""
-        if cid is not None:
+        handshake-era child); remember the request ids (``ids``: the request's, or a
+        batch's) the child now owes an answer."""
+        for cid in ids:
             self._sending[cid] = self._sending.get(cid, 0) + 1  # a cancel must still reach it
         try:
             child = await self.ensure_child()
@@ -761,18 +789,17 @@ class Proxy:
                 stripped = _strip_modern(exact)
                 if stripped is not None:
                     line = _line(stripped)
-            if cid is not None:
-                child.relayed.add(cid)
+            child.relayed.update(ids)
             try:
                 child.write(line)
             except ChildGone:
-                child.relayed.discard(cid)
+                child.relayed.difference_update(ids)
                 raise
         except ChildGone as exc:
-            if cid is not None:
+            for cid in ids:
                 self._client_error(cid, -32603, f"effectfence wrap: {exc}")
         finally:
-            if cid is not None:
+            for cid in ids:
                 left = self._sending.pop(cid, 1) - 1
                 if left:
                     self._sending[cid] = left
@@ -881,6 +908,12 @@ class Proxy:
                 return  # an answer nobody waits for any more (a cancelled call)
             if _is_id(rid) and child is not None:
                 child.relayed.discard(rid)
+        elif isinstance(msg, list) and child is not None:  # a batch's answers
+            child.relayed.difference_update(
+                m["id"]
+                for m in msg
+                if isinstance(m, dict) and "method" not in m and _is_id(m.get("id"))
+            )
         elif isinstance(msg, dict) and msg.get("method") == "notifications/tools/list_changed":
             self.tools_known = False  # annotations may have changed: learn them again
         if garbled:
@@ -1058,7 +1091,7 @@ class Proxy:
         name = params.get("name") if isinstance(params, dict) else None
         if type(name) is not str or not isinstance(params, dict):
             self._forget_call(cid, call)
-            await self._forward(line, cid, msg)
+            await self._forward(line, (cid,), msg)
             return
         modern = _is_modern(params)
         try:
@@ -1084,7 +1117,7 @@ class Proxy:
                 self._forget_call(cid, call)  # the child's now: a cancel is relayed to it
                 self.stats.passed += 1
                 self._tally(name, "passed")
-                await self._forward(line, cid, msg)  # as it came: nothing read, nothing lost
+                await self._forward(line, (cid,), msg)  # as it came: nothing read or lost
                 return
             # what the fence reads, read exactly (orjson reads an integer past 64 bits as a
             # float: two different order ids would name one intent)
@@ -1443,8 +1476,35 @@ class Proxy:
         self.stats.tool(name, what)
 
     # -- running --------------------------------------------------------------------------
+    def terminate(self, signum: int) -> None:
+        """A termination signal (SIGTERM, SIGINT; see :func:`main`): read nothing more from
+        the client, and cancel every fenced call in progress now, as the client's cancel
+        would. One whose request reached the child is aborted (its outcome is unknown: the
+        intent stays fenced, refused ``intent_failed`` until an operator clears it); one
+        that never did is released. Then the wrapper closes as when the client hangs up.
+        Killed by the signal instead, it left such intents in flight, and once their leases
+        lapsed an identical call ran the effect again (found by review: an MCP client's
+        shutdown closes stdin, then sends SIGTERM two seconds later). A second signal is
+        not caught: it ends the process."""
+        if self.terminated is not None:
+            return
+        self.terminated = signum
+        fenced = [cid for cid, call in self.calls.items() if call.task is not None]
+        name = signal.Signals(signum).name
+        _stderr(
+            f"{name}: cancelling {len(fenced)} fenced call(s) in progress (a call that reached "
+            "the server stays fenced as outcome unknown) and closing"
+        )
+        for cid in fenced:
+            self._cancel(cid, f"effectfence wrap is stopping ({name})")
+        if self._reader is not None:
+            # the relay ends (close() then settles the cancelled calls); an exception, not
+            # EOF: a reader fed by a thread may still be fed after it
+            self._reader.set_exception(_Terminated(signum))
+
     async def run(self, reader: asyncio.StreamReader) -> int:
         """Relay until the client hangs up; then let fenced calls finish and stop the child."""
+        self._reader = reader
         try:
             await self.ensure_child()
         except ChildGone as exc:
@@ -1453,10 +1513,12 @@ class Proxy:
         while True:
             try:
                 line = await reader.readline()
+            except _Terminated:
+                break
             except ValueError:
                 _stderr("a message from the client exceeds 64 MiB; closing")
                 break
-            if not line:
+            if not line or self.terminated is not None:
                 break
             written = self.written
             try:
@@ -1478,6 +1540,8 @@ class Proxy:
                 _stderr(self.fatal)
                 break
         await self.close()
+        if self.terminated is not None:
+            return 128 + self.terminated
         return 1 if self.fatal else 0
 
     async def close(self) -> None:
@@ -1490,12 +1554,13 @@ class Proxy:
             stdin = child.proc.stdin
             if stdin is not None:
                 stdin.close()
+            grace = CHILD_EXIT_GRACE if self.terminated is None else TERMINATE_GRACE
             try:
-                await asyncio.wait_for(_exit_code(child.proc), CHILD_EXIT_GRACE)
+                await asyncio.wait_for(_exit_code(child.proc), grace)
             except TimeoutError:
                 child.proc.terminate()
                 try:
-                    await asyncio.wait_for(_exit_code(child.proc), CHILD_EXIT_GRACE)
+                    await asyncio.wait_for(_exit_code(child.proc), grace)
                 except TimeoutError:
                     child.proc.kill()
                     await _exit_code(child.proc)
@@ -1597,6 +1662,16 @@ async def _stdio() -> tuple[asyncio.StreamReader, Callable[[bytes], None]]:
     return reader, write
 
 
+def _on_signal(
+    proxy: Proxy, signum: int, loop: asyncio.AbstractEventLoop, caught: list[int]
+) -> None:
+    """The first termination signal: the proxy settles its fenced calls and closes
+    (:meth:`Proxy.terminate`); from then on the signals act as they would uncaught."""
+    for other in caught:
+        loop.remove_signal_handler(other)
+    proxy.terminate(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``effectfence wrap [--policy FILE] [--store URL] -- CMD ARGS...``"""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -1653,6 +1728,14 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, Refusal) as exc:
             _stderr(f"can't open the store: {exc}")
             return 2
+        loop = asyncio.get_running_loop()
+        caught: list[int] = []
+        for signum in (int(signal.SIGTERM), int(signal.SIGINT)):
+            try:
+                loop.add_signal_handler(signum, _on_signal, proxy, signum, loop, caught)
+                caught.append(signum)
+            except (NotImplementedError, RuntimeError, ValueError):  # no such support here
+                pass
         return await proxy.run(reader)
 
     try:
