@@ -1074,3 +1074,35 @@ async def test_a_termination_signal_while_closing_stops_the_drain_and_fences_the
     assert not any(json.loads(line).get("id") == rid for line in h.out)  # cancelled: no answer
     (rec,) = list(fence.store.records())
     assert rec.state.value == "failed" and len(h.ledger()) == 1
+
+
+async def test_a_pass_through_call_is_relayed_in_the_relays_turn_once_tools_are_known(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the child's tools are known, a call the policy does not fence is decided as it
+    is read and relayed at once: no task of its own (that cost a pass-through call ~10%).
+    Before they are known, the call waits in its task for the listing, as before."""
+    policy = Policy.from_dict({"tools": {"charge": {"fence": False}}})
+    h = Harness(tmp_path, monkeypatch, policy=policy)
+    spawned: list[Any] = []
+    spawn = h.proxy._spawn
+
+    def counted(coro: Any) -> Any:
+        if getattr(coro, "__name__", "") == "_tool_call":  # a task of a tools/call's own
+            spawned.append(coro)
+        return spawn(coro)
+
+    monkeypatch.setattr(h.proxy, "_spawn", counted)
+    await h.start(list_tools=False)
+    assert not h.proxy.tools_known
+    first = h.send("tools/call", {"name": "charge", "arguments": {"order": 1}})
+    assert "result" in await h.answer(first)
+    assert len(spawned) == 1 and h.proxy.tools_known  # it learned the tools in its task
+    again = h.send("tools/call", {"name": "charge", "arguments": {"order": 1}})
+    assert "result" in await h.answer(again)
+    assert len(spawned) == 1, "a pass-through call with the tools known got a task"
+    assert h.proxy.stats.passed == 2 and len(h.ledger()) == 2  # passed through: both ran
+    own = h.send("tools/call", {"name": "effectfence_stats", "arguments": {}})
+    assert "result" in await h.answer(own)
+    assert len(spawned) == 2  # the wrapper's own tools (and fenced calls) still get a task
+    assert await h.stop() == 0

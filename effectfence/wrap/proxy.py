@@ -57,7 +57,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import orjson
 
@@ -725,6 +725,10 @@ class Proxy:
                 if isinstance(info, dict):
                     self._set_agent(info.get("name"))
         if method == "tools/call":
+            name = params.get("name") if isinstance(params, dict) else None
+            if self._passes(name):
+                await self._pass_through(name, cid, line, msg)
+                return
             # registered before its task runs: a cancel read right after it finds it
             call = self.calls[cid] = _Call()
             call.task = self._spawn(self._tool_call(cid, msg, line, call))
@@ -1083,6 +1087,29 @@ class Proxy:
         task.add_done_callback(self._tasks.discard)
         return task
 
+    def _own_role(self, name: str) -> str | None:
+        """Which of the wrapper's own tools ``name`` is, if it is one that is offered."""
+        for role, own in self.own_names.items():
+            if name == own and (role != "clear" or self.allow_clear):
+                return role
+        return None
+
+    def _passes(self, name: Any) -> TypeGuard[str]:
+        """Whether a ``tools/call`` of ``name`` is decided already: the tools are known, and
+        it is a child's tool its policy does not fence. Then it is relayed at once, in the
+        relay's own turn, with no task of its own (that cost a pass-through call ~10%)."""
+        return (
+            self.tools_known
+            and type(name) is str
+            and self._own_role(name) is None
+            and not self.policy.for_tool(name).fenced(self.tools.get(name))
+        )
+
+    async def _pass_through(self, name: str, cid: Any, line: bytes, msg: dict[str, Any]) -> None:
+        self.stats.passed += 1
+        self._tally(name, "passed")
+        await self._forward(line, (cid,), msg)  # as it came: nothing read or lost
+
     async def _tool_call(self, cid: Any, msg: dict[str, Any], line: bytes, call: _Call) -> None:
         """One ``tools/call``, in its own task (``call.task``), registered in ``calls``
         since it was read: a cancel that comes before anything is decided or run (even
@@ -1104,20 +1131,11 @@ class Proxy:
                     self._text_result(f"effectfence wrap: {exc}. Nothing was run.", error=True),
                 )
                 return
-            own_role = next(
-                (
-                    role
-                    for role, own in self.own_names.items()
-                    if name == own and (role != "clear" or self.allow_clear)
-                ),
-                None,
-            )
+            own_role = self._own_role(name)
             tp = self.policy.for_tool(name)
             if own_role is None and not tp.fenced(self.tools.get(name)):
                 self._forget_call(cid, call)  # the child's now: a cancel is relayed to it
-                self.stats.passed += 1
-                self._tally(name, "passed")
-                await self._forward(line, (cid,), msg)  # as it came: nothing read or lost
+                await self._pass_through(name, cid, line, msg)
                 return
             # what the fence reads, read exactly (orjson reads an integer past 64 bits as a
             # float: two different order ids would name one intent)
