@@ -109,6 +109,8 @@ MAX_TTL = 1e9
 _MAX_MOVES = 64  # a record that moves this often under one prepare is reported in flight
 #: longest reason (and who) an operator's clear records
 MAX_CLEAR_TEXT = 4096
+#: the states a record can be in when it is cleared (what ``expect_state`` may name)
+_CLEARABLE_STATES = frozenset({State.IN_FLIGHT.value, State.DONE.value, State.FAILED.value})
 #: what ``clear_intent(intent)`` records: the library's form names no one and no reason
 LIBRARY_CLEARER = "library"
 LIBRARY_CLEAR_REASON = "clear_intent() called without a reason"
@@ -1026,16 +1028,33 @@ class EffectFence:
 
     # -- operator and queries ----------------------------------------------------------------------
     def clear(
-        self, intent: str, *, reason: str, who: str, force: bool = False
+        self,
+        intent: str,
+        *,
+        reason: str,
+        who: str,
+        force: bool = False,
+        expect_state: str | None = None,
+        expect_token: int | None = None,
     ) -> AuditEntry | None:
         """The operator's reconcile: the intent's record -> ABSENT, recorded with who cleared
         it, when (the store's clock) and why, in the same store step (G9).
 
         An intent in flight under a live lease is refused :class:`IntentInFlight` unless
         ``force``: its holder may be running the effect right now, and an attempt admitted
-        after the clear would run it a second time. Returns the audit entry, or None when
-        there was no record (nothing cleared, nothing recorded)."""
+        after the clear would run it a second time. ``expect_state`` / ``expect_token``:
+        what the operator looked at; a record that is no longer in that state or under that
+        token is refused (``intent_in_flight``, retryable: look again), so a decision made
+        on one attempt never clears the next (a forced clear of a lease taken over since,
+        a commit that landed since, a new failure nobody has reconciled). Returns the audit
+        entry, or None when there was no record (nothing cleared, nothing recorded)."""
         _check_intent(intent)
+        if expect_state is not None and expect_state not in _CLEARABLE_STATES:
+            raise InvalidRequest(
+                f"expect_state must be one of {sorted(_CLEARABLE_STATES)}", intent=intent
+            )
+        if expect_token is not None and (type(expect_token) is not int or expect_token < 0):
+            raise InvalidRequest("expect_token must be a token: an int >= 0", intent=intent)
         if type(reason) is not str or not reason.strip() or len(reason) > MAX_CLEAR_TEXT:
             raise InvalidRequest(
                 f"a clear needs a reason: a non-empty string of at most {MAX_CLEAR_TEXT} chars",
@@ -1058,6 +1077,21 @@ class EffectFence:
             if verdict is ClearVerdict.NOTHING:
                 return None
             assert rec is not None
+            if (expect_state is not None and rec.state.value != expect_state) or (
+                expect_token is not None and rec.token != expect_token
+            ):
+                raise IntentInFlight(
+                    f"can't clear {intent!r}: its record changed since you looked (expected "
+                    f"{expect_state or 'any state'} under token "
+                    f"{'any' if expect_token is None else expect_token}; it is "
+                    f"{rec.state.value} under token {rec.token}, agent {rec.agent!r})",
+                    intent=intent,
+                    state=row.value,
+                    token=rec.token,
+                    holder=rec.agent,
+                    retryable=True,
+                    recover="look at the record again; clear it if it still needs clearing",
+                )
             entry = {
                 "action": "clear",
                 "intent": intent,

@@ -624,3 +624,65 @@ def test_console_on_the_mcp_server_in_a_browser(browser: Any, tmp_path: Path) ->
         browser.save_screenshot(str(shot))
         assert shot.stat().st_size > 0
         print(f"\nscreenshot: {shot}")
+
+
+def _page_data(con: Console, intent: str) -> dict[str, Any]:
+    """What an intent's page hands its script (``const D=...``): the clear posts it back."""
+    status, _, page, _ = con.handle(
+        "GET", "/intent?id=" + urllib.parse.quote(intent, safe=""), {"Host": "127.0.0.1:1"}, b""
+    )
+    assert status == 200
+    text = page.decode()
+    start = text.index("const D=") + len("const D=")
+    data: dict[str, Any] = json.loads(text[start : text.index(";\n", start)])
+    return data
+
+
+def _clear_as_the_page(con: Console, d: dict[str, Any], reason: str, force: bool) -> int:
+    """The POST the page's script makes when the operator presses clear."""
+    body = {
+        "intent": d["intent"],
+        "reason": reason,
+        "force": force,
+        "expect_state": d["state"],
+        "expect_token": d["token"],
+    }
+    hdr = {"Host": "127.0.0.1:1", CSRF_HEADER: d["csrf"], "Origin": "http://127.0.0.1:1"}
+    status, _, _, _ = con.handle("POST", "/api/clear", hdr, json.dumps(body).encode())
+    return status
+
+
+def test_a_clear_from_the_page_clears_only_the_record_the_page_showed() -> None:
+    """The page showed one attempt; the clear posts its state and token back, and a record
+    that moved since is refused (409), untouched. Found by review: with only the intent
+    named, a forced clear meant for a dead holder hit the lease another agent had taken
+    over since (it was running the effect: a retry could run it again), and a clear meant
+    for one failure removed a newer one nobody had reconciled."""
+    from support import FakeClock
+
+    from effectfence.store.memory import MemoryStore
+
+    clock = FakeClock()
+    fence = EffectFence(
+        FenceConfig(lease_ttl=10.0, auto_sweep=False), store=MemoryStore(clock=clock)
+    )
+    con = Console(fence, who="ops")
+    first = fence.prepare(EffectRequest("charge:1", "o", "charge", {"n": 1}, "agent-a")).ticket
+    shown = _page_data(con, "charge:1")
+    assert (shown["state"], shown["token"]) == ("in_flight", first.token)  # type: ignore[union-attr]
+    clock.advance(11.0)  # agent-a's lease lapses; agent-b takes over and is running it
+    second = fence.prepare(EffectRequest("charge:1", "o", "charge", {"n": 1}, "agent-b")).ticket
+    assert _clear_as_the_page(con, shown, "agent-a's host is dead", force=True) == 409
+    assert fence.record("charge:1")[0].token == second.token  # type: ignore[union-attr]
+    # a failure shown, then cleared by someone else, retried and failed again
+    fence.abort(second, "bank timeout")  # type: ignore[arg-type]
+    shown = _page_data(con, "charge:1")
+    assert shown["state"] == "failed"
+    fence.clear("charge:1", reason="reconciled", who="bob")
+    retry = fence.prepare(EffectRequest("charge:1", "o", "charge", {"n": 1}, "agent-a")).ticket
+    fence.abort(retry, "gateway 502")  # type: ignore[arg-type]
+    assert _clear_as_the_page(con, shown, "refunded the bank timeout", force=False) == 409
+    assert fence.record("charge:1")[0].reason == "gateway 502"  # type: ignore[union-attr]
+    # the page as it is now clears
+    assert _clear_as_the_page(con, _page_data(con, "charge:1"), "refunded", force=False) == 200
+    assert fence.record("charge:1")[0] is None

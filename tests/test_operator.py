@@ -543,3 +543,45 @@ def test_the_console_checks_the_newest_certificates_of_a_busy_domain(
     con.close()
     chain = console.Console(fence, who="ops").api_intent("i7")["chain"]
     assert not chain["ok"] and chain["tampered"] == [7], chain
+
+
+def test_clear_expecting_a_version_refuses_a_record_that_moved(
+    fence: EffectFence, clock: FakeClock
+) -> None:
+    """expect_state / expect_token: what the operator looked at. A record no longer in
+    that state or under that token is refused, retryable, and stays; one that is, clears.
+    A commit that lands under the same token is a new state: also refused."""
+    t = fence.prepare(req(1)).ticket
+    assert t is not None
+    with pytest.raises(IntentInFlight) as raised:
+        fence.clear(
+            "charge:1",
+            reason="r",
+            who="ops",
+            force=True,
+            expect_state="failed",
+            expect_token=t.token,
+        )
+    assert raised.value.retryable and "changed since you looked" in raised.value.message
+    fence.commit(t, {"ok": 1})
+    with pytest.raises(IntentInFlight):  # it was in flight when looked at; now it is done
+        fence.clear(
+            "charge:1", reason="r", who="ops", expect_state="in_flight", expect_token=t.token
+        )
+    with pytest.raises(IntentInFlight):
+        fence.clear("charge:1", reason="r", who="ops", expect_token=t.token + 1)
+    assert fence.intent_status("charge:1").state == "done"
+    for bad in ({"expect_state": "gone"}, {"expect_token": -1}, {"expect_token": True}):
+        with pytest.raises(InvalidRequest):
+            fence.clear("charge:1", reason="r", who="ops", **bad)  # type: ignore[arg-type]
+    entry = fence.clear(
+        "charge:1", reason="r", who="ops", expect_state="done", expect_token=t.token
+    )
+    assert entry is not None and fence.intent_status("charge:1").state == "absent"
+    out = io.StringIO()
+    t2 = fence.prepare(req(2)).ticket
+    assert t2 is not None
+    fence.abort(t2, "bank timeout")
+    argv = ["clear", "charge:2", "--reason", "r", "--expect-state", "failed", "--expect-token"]
+    assert intents.main([*argv, str(t2.token + 1)], fence=fence, out=out) == 1
+    assert intents.main([*argv, str(t2.token)], fence=fence, out=out) == 0

@@ -61,6 +61,7 @@ from effectfence.operator.trail import (
     read_trail,
 )
 from effectfence.operator.views import entry_view, intent_view, list_intents, open_fence, whoami
+from effectfence.protocol import Row, State
 
 __all__ = [
     "SECURITY_HEADERS",
@@ -362,9 +363,27 @@ class Console:
             data = json.loads(body or b"{}")
             intent, reason = data.get("intent"), data.get("reason")
             force = data.get("force", False) is True
-            if type(intent) is not str or type(reason) is not str:
-                raise InvalidRequest('send {"intent": ..., "reason": ..., "force": bool}')
-            entry = self.fence.clear(intent, reason=reason, who=f"{who} (console)", force=force)
+            # what the page showed: a record that moved since is not cleared (found by
+            # review: a forced clear hit a lease taken over after the operator looked)
+            state, token = data.get("expect_state"), data.get("expect_token")
+            if (
+                type(intent) is not str
+                or type(reason) is not str
+                or (state is not None and type(state) is not str)
+                or (token is not None and type(token) is not int)
+            ):
+                raise InvalidRequest(
+                    'send {"intent": ..., "reason": ..., "force": bool, "expect_state": '
+                    '"in_flight"|"done"|"failed", "expect_token": int}'
+                )
+            entry = self.fence.clear(
+                intent,
+                reason=reason,
+                who=f"{who} (console)",
+                force=force,
+                expect_state=state,
+                expect_token=token,
+            )
         except (ValueError, AttributeError) as exc:
             return _json(400, {"code": "invalid_request", "message": str(exc)})
         except RecursionError:  # json.loads of a deeply nested body: malformed input too
@@ -446,7 +465,8 @@ class Console:
                 "</button></form><p id=result role=status></p>"
             )
         csrf = session[1]
-        data = json.dumps({"intent": intent, "csrf": csrf, "header": CSRF_HEADER})
+        seen = {"state": _RECORD_STATE.get(v["state"]), "token": v.get("token")}
+        data = json.dumps({"intent": intent, "csrf": csrf, "header": CSRF_HEADER, **seen})
         return self._page(
             intent, "".join(parts), _INTENT_JS.replace("__DATA__", _script_json(data))
         )
@@ -574,7 +594,18 @@ async function chart(){
 refresh();chart();setInterval(refresh,1000);setInterval(chart,2000);
 """
 
-# The detail page: the clear form posts JSON with the CSRF header; the answer is shown.
+#: the record's state behind each row of the state table: what the detail page showed, and
+#: what a clear from it expects to find
+_RECORD_STATE = {
+    Row.IN_FLIGHT_LIVE.value: State.IN_FLIGHT.value,
+    Row.IN_FLIGHT_LAPSED.value: State.IN_FLIGHT.value,
+    Row.DONE_LIVE.value: State.DONE.value,
+    Row.DONE_EXPIRED.value: State.DONE.value,
+    Row.FAILED.value: State.FAILED.value,
+}
+
+# The detail page: the clear form posts JSON with the CSRF header and the version it
+# showed (state and token); the answer is shown.
 _INTENT_JS = r"""
 const D=__DATA__;
 const form=document.getElementById("clear-form");
@@ -585,7 +616,8 @@ if(form)form.addEventListener("submit",async ev=>{
  const f=document.getElementById("force");const h={"Content-Type":"application/json"};
  h[D.header]=D.csrf;
  const r=await fetch(BASE+"/api/clear",{method:"POST",credentials:"same-origin",headers:h,
-  body:JSON.stringify({intent:D.intent,reason:reason,force:!!(f&&f.checked)})});
+  body:JSON.stringify({intent:D.intent,reason:reason,force:!!(f&&f.checked),
+   expect_state:D.state,expect_token:D.token})});
  const d=await r.json();
  if(d.cleared){out.textContent="cleared: audit #"+d.audit.id+" by "+d.audit.who;
   out.dataset.cleared="1";}

@@ -3,6 +3,7 @@
     effectfence intents list [--state failed] [--domain D] [--agent A] [--older-than 10m]
     effectfence intents show INTENT
     effectfence intents clear INTENT --reason "refunded by hand, ticket #81" [--force]
+        [--expect-state failed --expect-token 42]
     effectfence intents watch [--interval 1] [--count N]
 
 Every subcommand takes ``--store URL`` (default: the servers' default store) and ``--json``.
@@ -18,6 +19,7 @@ import sys
 import time
 from typing import Any, TextIO
 
+from effectfence.canonical import MAX_SAFE_INTEGER
 from effectfence.errors import InvalidRequest, Refusal, StoreUnavailable
 from effectfence.fence import EffectFence
 from effectfence.operator.views import (
@@ -53,6 +55,16 @@ def _positive(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return value
+
+
+def _token(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= MAX_SAFE_INTEGER:
+        raise argparse.ArgumentTypeError(f"expected a token (a whole number >= 0), got {text!r}")
     return value
 
 
@@ -97,6 +109,18 @@ def _parser() -> argparse.ArgumentParser:
         "--force",
         action="store_true",
         help="also clear an intent in flight under a live lease (its holder may be running it)",
+    )
+    clear.add_argument(
+        "--expect-state",
+        choices=("in_flight", "done", "failed"),
+        help="clear only if the record is still in this state (what `show` said)",
+    )
+    clear.add_argument(
+        "--expect-token",
+        type=_token,
+        metavar="N",
+        help="clear only if the record is still under this token (what `show` said): a lease "
+        "taken over since, or a new attempt, is not cleared",
     )
     watch = sub.add_parser("watch", parents=[common, filters], help="follow changes as they come")
     watch.add_argument("--interval", type=_seconds, default=1.0, help="seconds between looks")
@@ -213,7 +237,14 @@ def _run(args: argparse.Namespace, fence: EffectFence, out: TextIO) -> int:
 def _clear(args: argparse.Namespace, fence: EffectFence, out: TextIO) -> int:
     who = args.who or whoami()
     try:
-        entry = fence.clear(args.intent, reason=args.reason, who=who, force=args.force)
+        entry = fence.clear(
+            args.intent,
+            reason=args.reason,
+            who=who,
+            force=args.force,
+            expect_state=args.expect_state,
+            expect_token=args.expect_token,
+        )
     except Refusal as exc:
         if args.json:
             print(json.dumps({"cleared": False, **exc.to_payload()}, sort_keys=True), file=out)
