@@ -273,6 +273,16 @@ def test_tokens_file_rules(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     ):
         with pytest.raises(ValueError, match=why):
             Principals.parse(bad)
+    # a hash's label in another spelling: read as a plain token, the hash itself logged in
+    # (found by review); refused at load, naming the label and never the hash
+    for label in ("SHA256:", "Sha256:", "sha-256:", "{SHA256}", "sha_256="):
+        with pytest.raises(ValueError, match="written sha256:") as raised:
+            Principals.parse(f"alice {label}{'b' * 64}")
+        assert "b" * 16 not in str(raised.value)
+    bom = tmp_path / "tokens-with-bom"
+    bom.write_text(f"\ufeffalice {TOKENS['alice']}\n", encoding="utf-8")
+    bom.chmod(0o600)
+    assert Principals.load(bom).authenticate(f"Bearer {TOKENS['alice']}") == "alice"
     hashed = tmp_path / "hash-pasted-without-prefix"
     hashed.write_text(f"alice {'a' * 64}\nbob {TOKENS['alice']}\n")
     hashed.chmod(0o600)

@@ -107,6 +107,9 @@ MAX_MCP_BODY = DEFAULT_MAX_REQUEST_BODY_SIZE
 _PRINCIPAL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@:+-]{0,127}")
 _TOKEN = re.compile(r"[\x21-\x7e]+")  # visible ASCII, as a header value carries it
 _HASHED = re.compile(r"sha256:([0-9a-f]{64})")
+#: a secret that starts like a hash's label in another spelling (SHA256:, sha-256:,
+#: {SHA256}...): read as a plain token, the hash itself would log in (found by review)
+_HASH_LABEL = re.compile(r"(?i)(\{sha[-_]?256\}|sha[-_]?256[:=$])")
 _HEX64 = re.compile(r"[0-9a-fA-F]{64}")
 _LOOPBACK_NAMES = ("localhost",)
 
@@ -176,8 +179,12 @@ class Principals:
             hashed = _HASHED.fullmatch(secret)
             if hashed:
                 digest = hashed.group(1)
-            elif secret.startswith("sha256:"):
-                raise ValueError(f"{where}: a hashed token is sha256: and 64 lowercase hex digits")
+            elif _HASH_LABEL.match(secret):
+                raise ValueError(
+                    f"{where}: a hashed token is written sha256: and 64 lowercase hex digits "
+                    f"(this one starts {secret[: secret.find(':') + 1 or 8]!r}; as written, the "
+                    "hash itself would be the token)"
+                )
             elif len(secret) < MIN_TOKEN_LENGTH or not _TOKEN.fullmatch(secret):
                 raise ValueError(
                     f"{where}: a token is at least {MIN_TOKEN_LENGTH} visible ASCII characters "
@@ -196,7 +203,7 @@ class Principals:
     @classmethod
     def load(cls, path: Path) -> Principals:
         try:
-            text = path.read_text(encoding="utf-8")
+            text = path.read_text(encoding="utf-8-sig")  # an editor's byte-order mark too
             mode = path.stat().st_mode
         except OSError as exc:
             raise NoTokens(f"cannot read the tokens file {str(path)!r}: {exc.strerror}") from exc
