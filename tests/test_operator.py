@@ -585,3 +585,69 @@ def test_clear_expecting_a_version_refuses_a_record_that_moved(
     argv = ["clear", "charge:2", "--reason", "r", "--expect-state", "failed", "--expect-token"]
     assert intents.main([*argv, str(t2.token + 1)], fence=fence, out=out) == 1
     assert intents.main([*argv, str(t2.token)], fence=fence, out=out) == 0
+
+
+def _line_of(fence: EffectFence, n: int) -> None:
+    for i in range(1, n + 1):
+        t = fence.prepare(EffectRequest(f"i{i}", "d", "t", {"n": i}, "a")).ticket
+        fence.commit(t, i)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("after", [None, "4", "5"])
+def test_a_certificate_deleted_just_before_a_checked_window_is_a_break(
+    after: str | None,
+) -> None:
+    """Seqs 1..6 in a line, then certificate 5 deleted from the store. The whole check said
+    BROKEN at 6, but `--after 5` (and `--after 4`, whose window holds the place of 5) said
+    OK: the window's first certificate was accepted with whatever parent it named, never
+    looked up (found by review). A trail read from the store is now checked from its
+    first parent on; so is one missing its start (no cut explains a trail that begins
+    past seq 1 with a parent nowhere)."""
+    import sqlite3
+
+    path = sqlite_path()
+    fence = EffectFence(FenceConfig(), store=open_store(f"sqlite:///{path.lstrip('/')}"))
+    try:
+        _line_of(fence, 6)
+        assert run(certs.main, fence, "d", "--verify")[0] == 0
+        con = sqlite3.connect(path)
+        con.execute("DELETE FROM certs WHERE domain = 'd' AND seq IN (1, 5)")
+        con.commit()
+        con.close()
+        argv = ["d", "--verify", "--json", *(() if after is None else ("--after", after))]
+        code, text = run(certs.main, fence, *argv)
+        assert code == 1, text
+        assert json.loads(text)["broken_at_seq"] == (2 if after is None else 6), text
+    finally:
+        fence.close()
+
+
+def test_the_consoles_chain_finds_a_long_effects_parent_far_before_its_window(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A long effect P (seq 2) commits after 1,010 others; the next attempt follows P. The
+    console looked for parents only one page (1,000 seqs) before its window and called the
+    sound trail BROKEN (found by review); it now reads back as far as it takes."""
+    from effectfence.operator import console
+
+    monkeypatch.setattr(console, "CHAIN_LIMIT", 4)
+    fence = EffectFence(
+        FenceConfig(lease_ttl=3600.0),
+        store=open_store(f"sqlite:///{sqlite_path().lstrip('/')}"),
+    )
+    try:
+
+        def prep(n: int) -> Any:
+            return fence.prepare(EffectRequest(f"i{n}", "d", "t", {"n": n}, "a")).ticket
+
+        fence.commit(prep(1), 1)
+        p = prep(2)
+        for n in range(3, 1013):
+            fence.commit(prep(n), n)
+        parent = fence.commit(p, 2)
+        assert fence.commit(prep(1013), 1013).parent == parent.hash
+        assert run(certs.main, fence, "d", "--verify", "--after", "1009")[0] == 0
+        chain = console.Console(fence, who="ops").api_intent("i1013")["chain"]
+        assert chain["ok"], chain
+    finally:
+        fence.close()

@@ -158,13 +158,14 @@ def main(
         trail = read_trail(fence.store, args.domain, after_seq=args.after, limit=args.limit)
         if args.verify:
             window = list(trail)
-            before = outside_parents(fence.store, args.domain, window) if args.after else ()
+            before = outside_parents(fence.store, args.domain, window)
             cut = fence.store.trail_cut(args.domain)
             report = check_trail(
                 window,
                 outside=before,
                 cut=cut,
                 kept_before=kept_after_cut(fence.store, args.domain, cut, args.after),
+                root=None,  # the store's trail: its first parent is looked up like the rest
             )
             if report.domain is None:
                 report = TrailReport(True, 0, args.domain)

@@ -53,7 +53,6 @@ from urllib.parse import parse_qs, quote, urlsplit
 from effectfence.errors import CLEAR_COMMAND, InvalidRequest, Refusal, StoreUnavailable
 from effectfence.fence import EffectFence
 from effectfence.operator.trail import (
-    PAGE,
     TrailNotKept,
     check_trail,
     kept_after_cut,
@@ -339,12 +338,16 @@ class Console:
         start = max(0, self.fence.current(domain) - CHAIN_LIMIT)
         try:
             certs = list(read_trail(self.fence.store, domain, after_seq=start, limit=CHAIN_LIMIT))
-            before = outside_parents(self.fence.store, domain, certs, since=max(0, start - PAGE))
+            # parents before the window, however far back (a long effect's parent can be
+            # more than a page before it: looked for in one page only, a sound trail was
+            # called BROKEN, found by review); read backwards, stopping once all are found
+            before = outside_parents(self.fence.store, domain, certs)
             cut = self.fence.store.trail_cut(domain)
             kept = kept_after_cut(self.fence.store, domain, cut, start)
         except TrailNotKept as exc:
             return {"ok": None, "reason": str(exc)}
-        return check_trail(certs, outside=before, cut=cut, kept_before=kept).to_dict()
+        report = check_trail(certs, outside=before, cut=cut, kept_before=kept, root=None)
+        return report.to_dict()
 
     def api_clear(
         self, headers: dict[str, str], body: bytes, session: tuple[str, str]

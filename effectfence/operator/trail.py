@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from effectfence.canonical import json_loads
+from effectfence.cert import _FIRST_PARENT as FIRST_PARENT
 from effectfence.cert import MAX_OPEN_OVERLAPS, EffectCert, verify_chain
 from effectfence.errors import InvalidRequest
 from effectfence.store.base import FenceStore
@@ -108,26 +109,28 @@ def read_trail(
 def outside_parents(
     store: FenceStore, domain: str, window: list[EffectCert], *, since: int = 0
 ) -> set[str]:
-    """The parents certificates of a window of the trail name before it that the store
-    holds, with seq in ``since+1 .. window[0].seq-1``: attempts admitted before the cut
-    and committed after it follow certificates before it, and a check of the window alone
-    called a sound trail broken there (found by review). Read only while some parent is
-    still unaccounted for; a parent the store does not hold stays out (a broken link)."""
+    """The parents the certificates of a window of the trail name before it that the store
+    holds, with seq in ``since+1 .. window[0].seq-1``: attempts admitted before the window
+    and committed in it follow certificates before it, and a check of the window alone
+    called a sound trail broken there (found by review). The first certificate's parent is
+    looked up too: accepted unseen, a certificate deleted just before the window passed
+    the check (found by review). Read a page at a time backwards from the window, where
+    parents almost always are, and only while some parent is still unaccounted for; a
+    parent the store does not hold stays out (a broken link)."""
     if not window:
         return set()
-    inside = {c.hash for c in window} | {window[0].parent}
-    wanted = {c.parent for c in window if c.parent not in inside and c.parent is not None}
+    inside = {c.hash for c in window}
+    wanted = {c.parent for c in window if c.parent is not None and c.parent not in inside}
     found: set[str] = set()
-    if not wanted:
-        return found
-    first = window[0].seq
-    for cert in read_trail(store, domain, after_seq=since):
-        if cert.seq >= first:
-            break
-        if cert.hash in wanted:
-            found.add(cert.hash)
-            if found == wanted:
+    below = window[0].seq  # what is left to read: seqs since+1 .. below-1
+    while found != wanted and below - 1 > since:
+        start = max(since, below - 1 - PAGE)
+        for cert in read_trail(store, domain, after_seq=start, limit=below - 1 - start):
+            if cert.seq >= below:
                 break
+            if cert.hash in wanted:
+                found.add(cert.hash)
+        below = start + 1
     return found
 
 
@@ -176,9 +179,13 @@ def check_trail(
     outside: Iterable[str] = (),
     cut: int = 0,
     kept_before: int = 0,
+    root: str | object | None = FIRST_PARENT,
 ) -> TrailReport:
     """Check a trail in the order given (it must be seq order). ``outside``: certificates
-    before it that it may follow (see :func:`outside_parents`).
+    before it that it may follow (see :func:`outside_parents`). ``root``: the head the
+    first certificate may follow besides those; by default whatever it names (a file may
+    hold any part of a trail), ``None`` for a trail read from a store, whose first
+    certificate's parent must be found like any other's (or lie below the ``cut``).
 
     ``cut``: the seq through which the store's retention deleted this trail (its
     :meth:`~effectfence.store.base.FenceStore.trail_cut`). The first certificates kept
@@ -233,7 +240,7 @@ def check_trail(
             return broken(i, f"seq {c.seq} belongs to domain {c.domain!r}, not {domain!r}")
         if i and c.seq <= seqs[i - 1]:
             return broken(i, f"seq {c.seq} comes after seq {seqs[i - 1]}: not in seq order")
-    report = verify_chain(certs, outside=outside)
+    report = verify_chain(certs, outside=outside, root=root)  # type: ignore[arg-type]
     pairs = getattr(report, "concurrent", ())  # reported by the DAG-aware chain check
     found = replace(
         found,
