@@ -532,6 +532,49 @@ def test_pg_a_process_holding_many_descriptors_keeps_its_connections() -> None:
         drop_pg_schema(schema)
 
 
+@pytest.mark.parametrize("sync_off", [False, True])
+def test_pg_the_callers_pool_gets_its_connections_back_as_lent(sync_off: bool) -> None:
+    """A pool passed in is the application's too. The store put its connections in
+    autocommit (and synchronous_commit on) for good: the application's own `with
+    pool.connection()` blocks stopped being transactions, and one that raised halfway
+    stayed half applied (found by review). Each step now borrows the connection and gives
+    it back as it was; the step itself still runs in autocommit, durably."""
+    need("pg")
+    import psycopg_pool
+
+    from effectfence.store.postgres import PostgresStore
+
+    schema = unique_name("pgpool")
+    options = "&options=-c%20synchronous_commit%3Doff" if sync_off else ""
+    pool = psycopg_pool.ConnectionPool(f"{PG_DSN}?application_name={schema}{options}",
+                                       min_size=1, max_size=1, open=False)  # fmt: skip
+    pool.open(wait=True)
+    try:
+        with pool.connection() as c:
+            c.execute(f'CREATE TABLE "{schema}_app" (x int)')
+        store = PostgresStore(pool=pool, schema=schema)
+        fence = EffectFence(store=store)
+        fence.commit(fence.prepare(req()).ticket, "ok")  # type: ignore[union-attr]
+        with contextlib.suppress(RuntimeError), pool.connection() as c:
+            c.execute(f'INSERT INTO "{schema}_app" VALUES (1)')
+            raise RuntimeError("the application's transaction fails")
+        with pool.connection() as c:
+            count = c.execute(f'SELECT count(*) FROM "{schema}_app"').fetchone()[0]  # type: ignore[index]
+            setting = c.execute("SHOW synchronous_commit").fetchone()[0]  # type: ignore[index]
+            assert (count, c.autocommit) == (0, False)  # rolled back: still a transaction
+            assert setting == ("off" if sync_off else "on")  # the session as it was
+        assert (
+            "synchronous_commit was off" in " ".join(store.describe().get("notes", []))
+        ) is sync_off
+        assert fence.prepare(req()).cert is not None  # the store still works on it
+        store.close()
+    finally:
+        with pool.connection() as c:
+            c.execute(f'DROP TABLE IF EXISTS "{schema}_app"')
+        pool.close()
+        drop_pg_schema(schema)
+
+
 def test_pg_a_dead_connection_of_the_callers_pool_is_store_unavailable() -> None:
     """A pool passed in is checked connection by connection on first use; a connection the
     server had dropped made that check raise the driver's own error out of prepare, untyped

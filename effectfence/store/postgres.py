@@ -684,6 +684,12 @@ def _deadline(t: Any) -> float:
     return math.inf if t >= NEVER else float(t)
 
 
+_SYNC_NOTE = (
+    "synchronous_commit was off for this role/database: effectfence sets it on for its own "
+    "steps (a commit it reports survives a server crash)"
+)
+
+
 class PostgresStore(FenceStore):
     """Durable store in one PostgreSQL schema, shared by every process that reaches it.
 
@@ -733,6 +739,10 @@ class PostgresStore(FenceStore):
         self._closed = False
         self._notes: list[str] = []  # what the connect-time checks found and changed
         self._checked: weakref.WeakSet[psycopg.Connection[Any]] = weakref.WeakSet()
+        #: the caller's pooled connections whose role has synchronous_commit off (_borrow)
+        self._sync_off: weakref.WeakKeyDictionary[psycopg.Connection[Any], bool] = (
+            weakref.WeakKeyDictionary()
+        )
         self._checked_lock = _fork.lock()
         self._certs = CertCache(_CERT_CACHE)
         self._key: bytes | None = None
@@ -842,12 +852,8 @@ class PostgresStore(FenceStore):
         setting = str(conn.execute("SHOW synchronous_commit").fetchone()[0])  # type: ignore[index]
         if setting == "off":
             conn.execute("SET synchronous_commit = on")
-            note = (
-                "synchronous_commit was off for this role/database: effectfence sets it on "
-                "for its own sessions (a commit it reports survives a server crash)"
-            )
-            if note not in self._notes:
-                self._notes.append(note)
+            if _SYNC_NOTE not in self._notes:
+                self._notes.append(_SYNC_NOTE)
         if not conn.autocommit:
             conn.commit()
         with self._checked_lock:
@@ -866,24 +872,64 @@ class PostgresStore(FenceStore):
         except (psycopg.Error, psycopg_pool.PoolTimeout, psycopg_pool.PoolClosed) as exc:
             raise self._unavailable(op, exc) from exc
         try:
-            if conn not in self._checked:  # a pool of the caller's: check it here, once
-                try:
-                    if _hung_up(conn):
-                        raise psycopg.OperationalError("the server closed this idle connection")
-                    if not conn.autocommit:
-                        conn.autocommit = True
-                    self._configure(conn)
-                except psycopg.Error as exc:
-                    # nothing of a step was sent: typed, and the pool drops the connection
-                    # (a raw driver error escaped here, found by review)
-                    conn.close()
-                    raise self._unavailable(op, exc) from exc
-            yield conn
+            lent = None if self._own_pool else self._borrow(op, conn)
+            try:
+                yield conn
+            finally:
+                if lent is not None:
+                    self._give_back(conn, lent)
         except BaseException as exc:
             cm.__exit__(type(exc), exc, exc.__traceback__)
             raise
         else:
             cm.__exit__(None, None, None)
+
+    def _borrow(self, op: str, conn: psycopg.Connection[Any]) -> tuple[bool, bool]:
+        """A connection of the caller's pool, set up for one step: autocommit, and
+        ``synchronous_commit`` on where the role has it off. Returns what to put back
+        (:meth:`_give_back`): the caller's connections are lent, not taken over (found by
+        review: left in autocommit, the application's own ``with pool.connection()``
+        blocks stopped being transactions, and one that raised halfway stayed half
+        applied)."""
+        try:
+            first = conn not in self._checked
+            if first and _hung_up(conn):
+                raise psycopg.OperationalError("the server closed this idle connection")
+            was = conn.autocommit
+            if not was:
+                conn.autocommit = True
+            if first:
+                setting = conn.execute("SHOW synchronous_commit").fetchone()
+                off = setting is not None and str(setting[0]) == "off"
+                with self._checked_lock:
+                    self._sync_off[conn] = off
+                    self._checked.add(conn)
+                if off and _SYNC_NOTE not in self._notes:
+                    self._notes.append(_SYNC_NOTE)
+            off = self._sync_off.get(conn, False)
+            if off:
+                conn.execute("SET synchronous_commit = on")
+        except psycopg.Error as exc:
+            # nothing of a step was sent: typed, and the pool drops the connection
+            # (a raw driver error escaped here, found by review)
+            conn.close()
+            raise self._unavailable(op, exc) from exc
+        return was, off
+
+    @staticmethod
+    def _give_back(conn: psycopg.Connection[Any], lent: tuple[bool, bool]) -> None:
+        """The caller's connection as it was lent; one that cannot be put back so is
+        closed, and its pool drops it."""
+        was, off = lent
+        if conn.closed or conn.broken:
+            return
+        try:
+            if off:
+                conn.execute("SET synchronous_commit = off")
+            if not was:
+                conn.autocommit = False
+        except psycopg.Error:
+            conn.close()
 
     def _unavailable(self, op: str, exc: BaseException) -> StoreUnavailable:
         return StoreUnavailable(
