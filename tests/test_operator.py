@@ -651,3 +651,55 @@ def test_the_consoles_chain_finds_a_long_effects_parent_far_before_its_window(
         assert chain["ok"], chain
     finally:
         fence.close()
+
+
+@pytest.mark.parametrize(
+    ("command", "argv"),
+    [
+        # a name from a command line that is not UTF-8 (Python's surrogateescape)
+        ("intents", ["show", "order\udcff"]),
+        ("intents", ["list", "--domain", "order\udcff"]),
+        ("intents", ["list", "--agent", "a\udcff"]),
+        ("certs", ["order\udcff", "--verify"]),
+        ("certs", ["order\udcff"]),
+        # a seq no store can hold
+        ("certs", ["d", "--verify", "--after", "99999999999999999999"]),
+        ("certs", ["d", "--after", "-1"]),
+        ("certs", ["d", "--limit", "1e3"]),
+    ],
+)
+def test_operator_commands_refuse_bad_input_with_a_message(command: str, argv: list[str]) -> None:
+    """Each of these ended in a traceback (found by review): a name no store can encode
+    reached the driver, a seq past 64 bits overflowed it. Refused with a message, exit 2."""
+    main = intents.main if command == "intents" else certs.main
+    fence = EffectFence(FenceConfig(), store=open_store(f"sqlite:///{sqlite_path().lstrip('/')}"))
+    try:
+        try:
+            code = main(argv, fence=fence, out=io.StringIO())
+        except SystemExit as exc:  # argparse's usage error
+            code = exc.code  # type: ignore[assignment]
+        assert code == 2
+    finally:
+        fence.close()
+
+
+def test_agent_chosen_names_cannot_forge_the_operators_terminal_output(
+    fence: EffectFence,
+) -> None:
+    """Intent names, agents and reasons come from agents; printed raw, a newline in one
+    name forged a whole row of `intents list`, and escape sequences reached the operator's
+    terminal (found by review). Text output escapes what is not printable; --json is
+    JSON."""
+    forged = "charge:1\nrefund:9  failed  order:9  1  agent-x  7  1m00s  reconciled"
+    fence.prepare(EffectRequest(forged, "order:1", "charge", {}, "agent-a"))
+    t = fence.prepare(EffectRequest("charge:2\x1b[2K\r", "order:1", "charge", {}, "a\tb")).ticket
+    fence.abort(t, "bank\x1b[31m timeout\nFAKE LINE")  # type: ignore[arg-type]
+    for argv in (["list"], ["show", "charge:2\x1b[2K\r"]):
+        code, text = run(intents.main, fence, *argv)
+        assert code == 0 and "\x1b" not in text and "\r" not in text and "\t" not in text, text
+        assert "FAKE LINE" not in text.splitlines()
+    code, text = run(intents.main, fence, "list")
+    assert len(text.splitlines()) == 1 + 2 + 1  # header, two intents, the count
+    assert "charge:1\\nrefund:9" in text
+    code, text = run(intents.main, fence, "list", "--json")
+    assert {row["intent"] for row in json.loads(text)} == {forged, "charge:2\x1b[2K\r"}

@@ -21,10 +21,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
-from effectfence.canonical import canonical_bytes
+from effectfence.canonical import MAX_SAFE_INTEGER, canonical_bytes
 from effectfence.cert import CERT_MAX_DEPTH
-from effectfence.errors import StoreUnavailable
-from effectfence.fence import EffectFence
+from effectfence.errors import InvalidRequest, StoreUnavailable
+from effectfence.fence import EffectFence, _check_name
 from effectfence.operator.trail import (
     TrailNotKept,
     TrailReport,
@@ -34,12 +34,24 @@ from effectfence.operator.trail import (
     outside_parents,
     read_trail,
 )
-from effectfence.operator.views import open_fence
+from effectfence.operator.views import open_fence, printable
 
 __all__ = ["NOT_FOUND", "main"]
 
 #: ``--verify`` found no certificate to check (as ``intents show`` of no such intent)
 NOT_FOUND = 3
+
+
+def _seq(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= MAX_SAFE_INTEGER:
+        raise argparse.ArgumentTypeError(
+            f"expected a seq (a whole number 0 to 2**53-1), got {text!r}"
+        )
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -51,8 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--store", metavar="URL", help="the store (default: the servers' default)")
     p.add_argument("--file", type=Path, help="verify this export instead of a store's trail")
     p.add_argument("--verify", action="store_true", help="check hashes, links, order and gaps")
-    p.add_argument("--after", type=int, default=0, metavar="SEQ", help="only seqs after this")
-    p.add_argument("--limit", type=int, help="at most this many certificates")
+    p.add_argument("--after", type=_seq, default=0, metavar="SEQ", help="only seqs after this")
+    p.add_argument("--limit", type=_seq, help="at most this many certificates")
     p.add_argument("--json", action="store_true", help="--verify: print the report as JSON")
     p.add_argument(
         "--show-payload",
@@ -147,6 +159,11 @@ def main(
             report = replace(report, ok=False, broken_at_line=bad_line, reason=complaint)
         print_report(report, out, as_json=args.json)
         return 0 if report.ok else 1
+    try:
+        _check_name("domain", args.domain)  # typed, not a driver's error (argv not UTF-8)
+    except InvalidRequest as exc:
+        print(f"effectfence certs: {printable(exc.message)}", file=sys.stderr)
+        return 2
     own = fence is None
     try:
         if fence is None:

@@ -30,6 +30,7 @@ from effectfence.operator.views import (
     list_intents,
     open_fence,
     parse_duration,
+    printable,
     whoami,
 )
 
@@ -134,7 +135,9 @@ def _table(rows: list[dict[str, Any]], out: TextIO) -> None:
     cols = ("intent", "state", "domain", "seq", "holder", "token", "age", "detail")
     cells = [
         [
-            format_age(r.get("age")) if c == "age" else ("" if r.get(c) is None else str(r[c]))
+            format_age(r.get("age"))
+            if c == "age"
+            else ("" if r.get(c) is None else printable(r[c]))
             for c in cols
         ]
         for r in rows
@@ -158,7 +161,7 @@ def _print_show(view: dict[str, Any], out: TextIO) -> None:
     skip = {"cert", "audit", "age", "detail", "lease_left", "result_left"}
     for key, value in view.items():
         if key not in skip and value is not None:
-            print(f"{key:<12} {value}", file=out)
+            print(f"{key:<12} {printable(value)}", file=out)
     if view.get("lease_left") is not None:
         print(f"{'lease left':<12} {format_age(view['lease_left'])}", file=out)
     if view.get("age") is not None:
@@ -168,9 +171,8 @@ def _print_show(view: dict[str, Any], out: TextIO) -> None:
     if cert:
         print("certificate", file=out)
         for key, value in cert.items():
-            print(
-                f"  {key:<12} {json.dumps(value) if key in ('args', 'result') else value}", file=out
-            )
+            shown = json.dumps(value) if key in ("args", "result") else printable(value)
+            print(f"  {key:<12} {shown}", file=out)
     if view["state"] == "absent" and not view.get("audit"):
         print("(no record and no audit entry: never seen, expired, or mistyped)", file=out)
     for e in view.get("audit", []):
@@ -178,7 +180,7 @@ def _print_show(view: dict[str, Any], out: TextIO) -> None:
         was = e["previous"].get("state", "?")
         print(
             f"audit #{e['id']}  {e['when']} ({format_age(e['age'])} ago)  {e['action']}{forced} "
-            f"by {e['who']} (was {was}): {e['reason']}",
+            f"by {printable(e['who'])} (was {was}): {printable(e['reason'])}",
             file=out,
         )
 
@@ -201,6 +203,9 @@ def main(
     except StoreUnavailable as exc:
         print(f"effectfence intents: {exc}", file=sys.stderr)
         return 1
+    except InvalidRequest as exc:  # a name no store can hold (a command line not UTF-8)
+        print(f"effectfence intents: {printable(exc.message)}", file=sys.stderr)
+        return 2
     finally:
         if own:
             fence.close()
@@ -317,17 +322,18 @@ def _watch(args: argparse.Namespace, fence: EffectFence, out: TextIO) -> int:
                     print(json.dumps(ev, sort_keys=True), file=out)
                 elif ev["event"] == "audit":
                     print(
-                        f"audit  {ev['intent']}  {ev['action']} by {ev['who']}: {ev['reason']}",
+                        f"audit  {printable(ev['intent'])}  {ev['action']} by "
+                        f"{printable(ev['who'])}: {printable(ev['reason'])}",
                         file=out,
                     )
                 else:
                     mark = {"appeared": "+", "changed": "~", "gone": "-"}[ev["event"]]
                     was = f" (was {ev['was']})" if ev["event"] == "changed" else ""
-                    print(
+                    line = (
                         f"{mark} {ev['intent']}  {ev['state']}{was}  {ev.get('domain', '')}  "
-                        f"{ev.get('holder', '')}  {ev.get('detail', '')}".rstrip(),
-                        file=out,
+                        f"{ev.get('holder', '')}  {ev.get('detail', '')}"
                     )
+                    print(printable(line).rstrip(), file=out)
             out.flush()
     except KeyboardInterrupt:
         pass

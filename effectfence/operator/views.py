@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from effectfence.fence import AuditEntry, EffectFence, FenceConfig
+from effectfence.fence import AuditEntry, EffectFence, FenceConfig, _check_name
 from effectfence.protocol import IntentRecord, Row, State, observe
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "list_intents",
     "open_fence",
     "parse_duration",
+    "printable",
     "whoami",
 ]
 
@@ -168,6 +169,17 @@ def clear_view(intent: str, entry: AuditEntry | None) -> dict[str, Any]:
 FILTER_SCAN = 100_000
 
 
+def printable(value: object) -> str:
+    """``value`` as text for a terminal: characters that are not printable (a newline, a
+    carriage return, an escape sequence) written as escapes. Names and reasons come from
+    agents: printed raw, one name forged a whole row of ``intents list`` and sent escape
+    sequences to the operator's terminal (found by review)."""
+    text = str(value)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def list_intents(
     fence: EffectFence,
     *,
@@ -184,6 +196,10 @@ def list_intents(
     keeps no other age). The store filters by state and domain; agents and age are judged
     here, over up to :data:`FILTER_SCAN` records (the first ``limit`` records alone hid
     every match past them, found by review)."""
+    if domain is not None:
+        _check_name("domain", domain)  # typed, not a driver's error (a non-UTF-8 argv)
+    for agent in agents:
+        _check_name("agent", agent)
     wanted: list[State] = []
     for name in states:
         wanted.extend(STATE_FILTERS[name])
