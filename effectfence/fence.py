@@ -109,8 +109,14 @@ MAX_TTL = 1e9
 _MAX_MOVES = 64  # a record that moves this often under one prepare is reported in flight
 #: longest reason (and who) an operator's clear records
 MAX_CLEAR_TEXT = 4096
-#: the states a record can be in when it is cleared (what ``expect_state`` may name)
-_CLEARABLE_STATES = frozenset({State.IN_FLIGHT.value, State.DONE.value, State.FAILED.value})
+#: what ``clear``'s ``expect_state`` may name: a record's state, or a row of the state table
+#: as a status showed it (a lease that lapsed since, a result that expired since, is still
+#: the version looked at), and the record state each one means
+_EXPECTABLE = {
+    **{s.value: s.value for s in (State.IN_FLIGHT, State.DONE, State.FAILED)},
+    Row.IN_FLIGHT_LAPSED.value: State.IN_FLIGHT.value,
+    Row.DONE_EXPIRED.value: State.DONE.value,
+}
 #: what ``clear_intent(intent)`` records: the library's form names no one and no reason
 LIBRARY_CLEARER = "library"
 LIBRARY_CLEAR_REASON = "clear_intent() called without a reason"
@@ -1049,9 +1055,11 @@ class EffectFence:
         a commit that landed since, a new failure nobody has reconciled). Returns the audit
         entry, or None when there was no record (nothing cleared, nothing recorded)."""
         _check_intent(intent)
-        if expect_state is not None and expect_state not in _CLEARABLE_STATES:
+        if expect_state is not None and (
+            type(expect_state) is not str or expect_state not in _EXPECTABLE
+        ):
             raise InvalidRequest(
-                f"expect_state must be one of {sorted(_CLEARABLE_STATES)}", intent=intent
+                f"expect_state must be one of {sorted(_EXPECTABLE)}", intent=intent
             )
         if expect_token is not None and (type(expect_token) is not int or expect_token < 0):
             raise InvalidRequest("expect_token must be a token: an int >= 0", intent=intent)
@@ -1077,7 +1085,7 @@ class EffectFence:
             if verdict is ClearVerdict.NOTHING:
                 return None
             assert rec is not None
-            if (expect_state is not None and rec.state.value != expect_state) or (
+            if (expect_state is not None and rec.state.value != _EXPECTABLE[expect_state]) or (
                 expect_token is not None and rec.token != expect_token
             ):
                 raise IntentInFlight(

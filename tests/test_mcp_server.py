@@ -172,6 +172,44 @@ async def test_fence_clear_without_a_reason_is_refused_and_changes_nothing() -> 
         refusal(await prepare(client), "intent_failed")  # still fenced
 
 
+async def test_fence_clear_clears_only_the_version_fence_status_showed() -> None:
+    """expect_state / expect_token: what fence_status showed. A record that moved since (a
+    lease taken over, a commit) is refused intent_in_flight, retryable, and unchanged; a
+    lapsed lease is still the in-flight record looked at."""
+    from support import FakeClock
+
+    from effectfence.store.memory import MemoryStore
+
+    clock = FakeClock()
+    fence = EffectFence(FenceConfig(lease_ttl=10.0), store=MemoryStore(clock=clock))
+    async with connect(build_server(fence, allow_clear=True)) as client:
+        held = ok(await prepare(client))
+        shown = ok(await client.call_tool("fence_status", {"intent": "charge:1"}))
+        assert (shown["state"], shown["token"]) == ("in_flight", held["token"])
+        before = snapshot(fence, "charge:1")
+        wrong = {"intent": "charge:1", "reason": "stuck", "force": True}
+        for expect in ({"expect_token": held["token"] + 1}, {"expect_state": "failed"}):
+            payload = refusal(
+                await client.call_tool("fence_clear", {**wrong, **expect}), "intent_in_flight"
+            )
+            assert payload["retryable"] is True and "look at the record again" in payload["recover"]
+            assert snapshot(fence, "charge:1") == before and fence.audit() == []
+        refusal(
+            await client.call_tool("fence_clear", {**wrong, "expect_token": True}),
+            "invalid_request",
+        )
+        clock.advance(11.0)  # the lease lapses: fence_status says in_flight_lapsed now
+        lapsed = ok(await client.call_tool("fence_status", {"intent": "charge:1"}))
+        assert lapsed["state"] == "in_flight_lapsed"
+        cleared = ok(
+            await client.call_tool(
+                "fence_clear",
+                {**wrong, "expect_state": lapsed["state"], "expect_token": lapsed["token"]},
+            )
+        )
+        assert cleared["cleared"] is True and cleared["previous_state"] == "in_flight_lapsed"
+
+
 async def test_fence_clear_refuses_a_live_lease_unless_forced_and_records_who_and_why() -> None:
     fence = EffectFence()
     async with connect(build_server(fence, allow_clear=True)) as client:

@@ -1106,3 +1106,32 @@ async def test_a_pass_through_call_is_relayed_in_the_relays_turn_once_tools_are_
     assert "result" in await h.answer(own)
     assert len(spawned) == 2  # the wrapper's own tools (and fenced calls) still get a task
     assert await h.stop() == 0
+
+
+async def test_effectfence_clear_clears_only_the_version_status_showed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """wrap's operator tools: effectfence_status shows the token, and effectfence_clear
+    takes expect_state / expect_token back; a record that moved since is refused and
+    stays (the console's and the CLI's rule, in the core)."""
+    h = Harness(tmp_path, monkeypatch)
+    h.proxy.allow_clear = True
+    await h.start()
+    charge = {"name": "charge", "arguments": {"order": 5}}
+    assert "result" in await h.answer(h.send("tools/call", charge))
+    target = {"tool": "charge", "arguments": {"order": 5}}
+    status = await h.answer(
+        h.send("tools/call", {"name": "effectfence_status", "arguments": target})
+    )
+    shown = status["result"]["structuredContent"]
+    assert shown["state"] == "done" and isinstance(shown["token"], int)
+    clear = {"name": "effectfence_clear", "arguments": {**target, "reason": "re-run it"}}
+    moved = {**clear["arguments"], "expect_state": "done", "expect_token": shown["token"] + 1}
+    refused = await h.answer(h.send("tools/call", {**clear, "arguments": moved}))
+    assert refused["result"]["isError"] and refused["result"]["structuredContent"]["code"] == (
+        "intent_in_flight"
+    )
+    seen = {**clear["arguments"], "expect_state": "done", "expect_token": shown["token"]}
+    cleared = await h.answer(h.send("tools/call", {**clear, "arguments": seen}))
+    assert cleared["result"]["structuredContent"]["cleared"] is True
+    assert await h.stop() == 0

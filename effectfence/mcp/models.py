@@ -414,6 +414,19 @@ class ClearInput(_Input):
         "running the effect right now: force only once you know it is not. Without it such "
         "a clear is refused intent_in_flight.",
     )
+    expect_state: Literal["in_flight", "in_flight_lapsed", "done", "failed"] | None = Field(
+        default=None,
+        description="The state fence_status showed you. If the record is no longer in it "
+        "(a lease taken over, a commit or a new failure since), the clear is refused "
+        "intent_in_flight and changes nothing: look again.",
+    )
+    expect_token: StrictInt | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_KNOWN_COUNTER,
+        description="The token fence_status showed you; a record under another token is "
+        "refused the same way.",
+    )
 
 
 class ClearOutput(_Output):

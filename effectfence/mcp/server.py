@@ -752,7 +752,14 @@ class _FenceTools:
         d.intent = req.intent
         t0 = time.perf_counter()
         try:
-            entry = self.fence.clear(req.intent, reason=req.reason, who=clearer(d), force=req.force)
+            entry = self.fence.clear(
+                req.intent,
+                reason=req.reason,
+                who=clearer(d),
+                force=req.force,
+                expect_state=req.expect_state,
+                expect_token=req.expect_token,
+            )
         finally:
             d.latency = time.perf_counter() - t0
         out = ClearOutput.model_validate(clear_view(req.intent, entry))

@@ -60,7 +60,6 @@ from effectfence.operator.trail import (
     read_trail,
 )
 from effectfence.operator.views import entry_view, intent_view, list_intents, open_fence, whoami
-from effectfence.protocol import Row, State
 
 __all__ = [
     "SECURITY_HEADERS",
@@ -468,7 +467,7 @@ class Console:
                 "</button></form><p id=result role=status></p>"
             )
         csrf = session[1]
-        seen = {"state": _RECORD_STATE.get(v["state"]), "token": v.get("token")}
+        seen = {"state": v["state"], "token": v.get("token")}  # what fence.clear compares
         data = json.dumps({"intent": intent, "csrf": csrf, "header": CSRF_HEADER, **seen})
         return self._page(
             intent, "".join(parts), _INTENT_JS.replace("__DATA__", _script_json(data))
@@ -596,16 +595,6 @@ async function chart(){
 }
 refresh();chart();setInterval(refresh,1000);setInterval(chart,2000);
 """
-
-#: the record's state behind each row of the state table: what the detail page showed, and
-#: what a clear from it expects to find
-_RECORD_STATE = {
-    Row.IN_FLIGHT_LIVE.value: State.IN_FLIGHT.value,
-    Row.IN_FLIGHT_LAPSED.value: State.IN_FLIGHT.value,
-    Row.DONE_LIVE.value: State.DONE.value,
-    Row.DONE_EXPIRED.value: State.DONE.value,
-    Row.FAILED.value: State.FAILED.value,
-}
 
 # The detail page: the clear form posts JSON with the CSRF header and the version it
 # showed (state and token); the answer is shown.

@@ -113,7 +113,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     clear.add_argument(
         "--expect-state",
-        choices=("in_flight", "done", "failed"),
+        choices=("in_flight", "in_flight_lapsed", "done", "done_expired", "failed"),
         help="clear only if the record is still in this state (what `show` said)",
     )
     clear.add_argument(

@@ -1058,6 +1058,18 @@ class Proxy:
                         "description": "clear even a call still running under a live lease "
                         "(only once you know it is not running; recorded as forced)",
                     },
+                    "expect_state": {
+                        "type": "string",
+                        "enum": ["in_flight", "in_flight_lapsed", "done", "failed"],
+                        "description": "the state effectfence_status showed you: a record "
+                        "no longer in it is refused (intent_in_flight), unchanged: look again",
+                    },
+                    "expect_token": {
+                        "type": "integer",
+                        "minimum": 0,
+                        "description": "the token effectfence_status showed you: a record "
+                        "under another token is refused the same way",
+                    },
                 },
                 "required": ["reason"],
             }
@@ -1438,7 +1450,12 @@ class Proxy:
         # what a valid reason and force are is fence.clear's to say (one place)
         who = f"{self.agent} (mcp, wrap)"
         entry = self.any_fence().clear(
-            intent, reason=args.get("reason", ""), who=who, force=args.get("force", False)
+            intent,
+            reason=args.get("reason", ""),
+            who=who,
+            force=args.get("force", False),
+            expect_state=args.get("expect_state"),
+            expect_token=args.get("expect_token"),
         )
         data = clear_view(intent, entry)
         if entry is not None:
@@ -1449,7 +1466,7 @@ class Proxy:
     def _status_data(self, intent: str) -> dict[str, Any]:
         st = self.any_fence().intent_status(intent)
         out: dict[str, Any] = {"intent": intent, "state": st.state}
-        for key in ("holder", "domain", "retry_after", "reason"):
+        for key in ("token", "holder", "domain", "retry_after", "reason"):
             value = getattr(st, key)
             if value is not None:
                 out[key] = value
