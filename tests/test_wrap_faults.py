@@ -1135,3 +1135,57 @@ async def test_effectfence_clear_clears_only_the_version_status_showed(
     cleared = await h.answer(h.send("tools/call", {**clear, "arguments": seen}))
     assert cleared["result"]["structuredContent"]["cleared"] is True
     assert await h.stop() == 0
+
+
+_GATED_START = """
+import os, sys, time
+starts, gate = os.environ["GATED_STARTS"], os.environ["GATED_START_GATE"]
+n = (int(open(starts).read()) if os.path.exists(starts) else 0) + 1
+open(starts, "w").write(str(n))
+if n == 2:  # the restart: slow to come up (a launcher fetching, a server loading)
+    open(gate + ".asked", "w").close()
+    while not os.path.exists(gate):
+        time.sleep(0.01)
+os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
+"""
+
+
+@pytest.mark.parametrize("probe", ["own_tool", "sigterm"])
+async def test_a_pass_through_call_to_a_restarting_child_does_not_hold_up_the_relay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, probe: str
+) -> None:
+    """The child died and its restart is slow. A pass-through call waits for it in its own
+    task: relayed in the relay's turn, it held up the relay for the whole handshake, so the
+    wrapper's own tools went unanswered and a SIGTERM did not end the wrapper (found by
+    review). The fast path is taken only with the child up."""
+    gate = tmp_path / "start_gate"
+    script = tmp_path / "gated_start.py"
+    script.write_text(_GATED_START)
+    h = Harness(
+        tmp_path,
+        monkeypatch,
+        child=[sys.executable, str(script), *CHILD[1:]],
+        GATED_STARTS=str(tmp_path / "gated_starts"),
+        GATED_START_GATE=str(gate),
+    )
+    try:
+        await h.start()
+        h.send("tools/call", {"name": "die", "arguments": {}})  # read-only: relayed; it exits
+        async with asyncio.timeout(BOUND):
+            while h.proxy.child is not None:
+                await asyncio.sleep(0.01)
+        h.send("tools/call", {"name": "peek", "arguments": {}})  # starts the child again
+        await _asked(gate)  # the restarted child is not up yet
+        if probe == "own_tool":  # needs no child: answered while the restart goes on
+            stats = h.send("tools/call", {"name": "effectfence_stats", "arguments": {}})
+            assert "passed_through" in text(await h.answer(stats))
+            return
+        h.proxy.terminate(signal.SIGTERM)
+        async with asyncio.timeout(BOUND):
+            assert await asyncio.shield(h.task) == 128 + signal.SIGTERM
+    finally:
+        gate.touch()
+        with contextlib.suppress(BaseException):
+            h.reader.feed_eof()
+            async with asyncio.timeout(BOUND):
+                await h.task

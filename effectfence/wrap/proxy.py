@@ -1108,10 +1108,17 @@ class Proxy:
 
     def _passes(self, name: Any) -> TypeGuard[str]:
         """Whether a ``tools/call`` of ``name`` is decided already: the tools are known, and
-        it is a child's tool its policy does not fence. Then it is relayed at once, in the
-        relay's own turn, with no task of its own (that cost a pass-through call ~10%)."""
+        it is a child's tool its policy does not fence, and the child is up. Then it is
+        relayed at once, in the relay's own turn, with no task of its own."""
+        child = self.child
         return (
             self.tools_known
+            # a child that is there and ready: relaying cannot wait. During a restart the
+            # call waits in its task, or the relay (own tools, cancels, a termination
+            # signal) waited with it (found by review)
+            and child is not None
+            and child.alive
+            and child.ready.is_set()
             and type(name) is str
             and self._own_role(name) is None
             and not self.policy.for_tool(name).fenced(self.tools.get(name))
