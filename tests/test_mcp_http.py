@@ -275,10 +275,13 @@ def test_tokens_file_rules(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
             Principals.parse(bad)
     # a hash's label in another spelling: read as a plain token, the hash itself logged in
     # (found by review); refused at load, naming the label and never the hash
-    for label in ("SHA256:", "Sha256:", "sha-256:", "{SHA256}", "sha_256="):
+    labels = ("SHA256:", "Sha256:", "sha-256:", "{SHA256}", "sha_256=", "sha256-", "SHA256-")
+    for label in (*labels, "sha256_", "sha256/", "SHA2-256:", "sha-2-256:"):
         with pytest.raises(ValueError, match="written sha256:") as raised:
             Principals.parse(f"alice {label}{'b' * 64}")
         assert "b" * 16 not in str(raised.value)
+    # 64 hex digits anywhere in a plain token: a hash pasted some other way, warned of
+    assert Principals.parse(f"alice x{'c' * 64}").hash_like == ("tokens:1",)
     bom = tmp_path / "tokens-with-bom"
     bom.write_text(f"\ufeffalice {TOKENS['alice']}\n", encoding="utf-8")
     bom.chmod(0o600)

@@ -109,7 +109,7 @@ _TOKEN = re.compile(r"[\x21-\x7e]+")  # visible ASCII, as a header value carries
 _HASHED = re.compile(r"sha256:([0-9a-f]{64})")
 #: a secret that starts like a hash's label in another spelling (SHA256:, sha-256:,
 #: {SHA256}...): read as a plain token, the hash itself would log in (found by review)
-_HASH_LABEL = re.compile(r"(?i)(\{sha[-_]?256\}|sha[-_]?256[:=$])")
+_HASH_LABEL = re.compile(r"(?i)(\{sha[-_]?(2[-_])?256\}|sha[-_]?(2[-_])?256[^a-z0-9])")
 _HEX64 = re.compile(r"[0-9a-fA-F]{64}")
 _LOOPBACK_NAMES = ("localhost",)
 
@@ -193,7 +193,7 @@ class Principals:
             else:
                 digest = _digest(secret)
                 plain = True
-                if _HEX64.fullmatch(secret):
+                if _HEX64.search(secret):  # a hash pasted in some form: warned of at load
                     hash_like.append(where)
             if by_digest.get(digest, name) != name:
                 raise ValueError(f"{where}: this token already names another principal")
