@@ -575,6 +575,46 @@ def test_pg_the_callers_pool_gets_its_connections_back_as_lent(sync_off: bool) -
         drop_pg_schema(schema)
 
 
+def test_pg_an_interrupt_while_lending_drops_the_callers_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An interrupt between switching the caller's connection to autocommit and handing
+    back what to restore left it in autocommit for good (found by review): it is closed
+    instead, and the pool replaces it."""
+    need("pg")
+    import psycopg
+    import psycopg_pool
+
+    from effectfence.store.postgres import PostgresStore
+
+    schema = unique_name("pglend")
+    pool = psycopg_pool.ConnectionPool(
+        f"{PG_DSN}?options=-c%20synchronous_commit%3Doff", min_size=1, max_size=1, open=False
+    )
+    pool.open(wait=True)
+    try:
+        store = PostgresStore(pool=pool, schema=schema)
+        fence = EffectFence(store=store)
+        real = psycopg.Connection.execute
+
+        def interrupted(self: Any, query: Any, *a: Any, **k: Any) -> Any:
+            if query == "SET synchronous_commit = on":
+                raise KeyboardInterrupt
+            return real(self, query, *a, **k)
+
+        monkeypatch.setattr(psycopg.Connection, "execute", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            fence.prepare(req())
+        monkeypatch.setattr(psycopg.Connection, "execute", real)
+        with pool.connection() as c:
+            assert c.autocommit is False, "the caller's connection came back in autocommit"
+        assert fence.prepare(req()).fresh  # nothing was decided; the store goes on
+        store.close()
+    finally:
+        pool.close()
+        drop_pg_schema(schema)
+
+
 def test_pg_a_dead_connection_of_the_callers_pool_is_store_unavailable() -> None:
     """A pool passed in is checked connection by connection on first use; a connection the
     server had dropped made that check raise the driver's own error out of prepare, untyped

@@ -914,6 +914,11 @@ class PostgresStore(FenceStore):
             # (a raw driver error escaped here, found by review)
             conn.close()
             raise self._unavailable(op, exc) from exc
+        except BaseException:
+            # an interrupt between the switch and the return: the connection cannot be put
+            # back as it was lent, so the pool drops it (found by review)
+            conn.close()
+            raise
         return was, off
 
     @staticmethod
