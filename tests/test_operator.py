@@ -703,3 +703,96 @@ def test_agent_chosen_names_cannot_forge_the_operators_terminal_output(
     assert "charge:1\\nrefund:9" in text
     code, text = run(intents.main, fence, "list", "--json")
     assert {row["intent"] for row in json.loads(text)} == {forged, "charge:2\x1b[2K\r"}
+
+
+def test_a_cut_trail_is_checked_without_reading_back_through_the_cut(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first certificate kept after a retention cut follows a deleted one: its parent
+    is never found, and the backward search paged through every deleted seq to the start,
+    one query per page (found by review: a trail cut at seq N cost N / PAGE reads at every
+    check). Below the cut it now reads only what the store kept, in one pass."""
+    from effectfence.operator import trail
+    from effectfence.store.sqlite import SQLiteStore
+
+    monkeypatch.setattr(trail, "PAGE", 10)
+    clock = FakeClock()
+    store = SQLiteStore(sqlite_path(), clock=clock, cert_retention=1.0)
+    fence = EffectFence(FenceConfig(result_ttl=1.0, auto_sweep=False), store=store)
+    try:
+        for n in range(1, 201):
+            fence.commit(fence.prepare(EffectRequest(f"i{n}", "d", "t", {}, "a")).ticket, n)  # type: ignore[arg-type]
+        clock.advance(10.0)
+        fence.sweep()
+        assert store.trail_cut("d") == 200
+        for n in range(201, 204):
+            fence.commit(fence.prepare(EffectRequest(f"i{n}", "d", "t", {}, "a")).ticket, n)  # type: ignore[arg-type]
+        calls = 0
+        real = store.certs
+
+        def counting(*a: Any, **k: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            return real(*a, **k)
+
+        monkeypatch.setattr(store, "certs", counting)
+        assert run(certs.main, fence, "d", "--verify")[0] == 0  # sound
+        assert calls <= 5, f"{calls} reads for a trail of 3 certificates"
+    finally:
+        fence.close()
+
+
+@pytest.mark.parametrize("how", ["lapsed", "expired"])
+def test_clear_takes_the_state_show_printed(how: str) -> None:
+    """`show` says in_flight_lapsed for a lapsed lease and done_expired for an expired
+    result; --expect-state takes what it said (the same version looked at)."""
+    from effectfence.store.memory import MemoryStore
+
+    clock = FakeClock()
+    fence = EffectFence(
+        FenceConfig(lease_ttl=10.0, result_ttl=10.0, auto_sweep=False),
+        store=MemoryStore(clock=clock),
+    )
+    t = fence.prepare(EffectRequest("x", "d", "t", {}, "a")).ticket
+    if how == "expired":
+        fence.commit(t, 1)  # type: ignore[arg-type]
+    clock.advance(11.0)
+    view = json.loads(run(intents.main, fence, "show", "x", "--json")[1])
+    assert view["state"] == {"lapsed": "in_flight_lapsed", "expired": "done_expired"}[how]
+    argv = ["clear", "x", "--reason", "r", "--expect-state", view["state"]]
+    assert run(intents.main, fence, *argv, "--expect-token", str(view["token"]))[0] == 0
+
+
+@pytest.mark.parametrize("cmd", [["list"], ["watch", "--count", "1", "--interval", "0"]])
+def test_intents_limit_past_64_bits_is_refused_with_a_message(cmd: list[str]) -> None:
+    fence = EffectFence(FenceConfig(), store=open_store(f"sqlite:///{sqlite_path().lstrip('/')}"))
+    try:
+        with pytest.raises(SystemExit) as raised:  # argparse's usage error
+            run(intents.main, fence, *cmd, "--limit", str(2**64))
+        assert raised.value.code == 2
+    finally:
+        fence.close()
+
+
+def test_certs_file_not_utf8_is_a_message_not_a_traceback(tmp_path: Path) -> None:
+    bad = tmp_path / "trail.jsonl"
+    bad.write_bytes(b'\xff\xfe{"seq": 1}\n')
+    code, text = run(certs.main, None, "--file", str(bad), "--verify", "--json")  # type: ignore[arg-type]
+    assert code == 1 and "not UTF-8" in json.loads(text)["reason"]
+
+
+def test_certs_file_check_does_not_print_the_files_control_characters(tmp_path: Path) -> None:
+    """An export may come from elsewhere; a complaint naming one of its fields printed it
+    raw (found by review: a clear-screen and a forged 'OK' line after the BROKEN one)."""
+    fence = EffectFence(FenceConfig(), store=open_store(f"sqlite:///{sqlite_path().lstrip('/')}"))
+    try:
+        fence.commit(fence.prepare(EffectRequest("i1", "d", "t", {}, "a")).ticket, 1)  # type: ignore[arg-type]
+        _, line = run(certs.main, fence, "d", "--show-payload")
+    finally:
+        fence.close()
+    body = json.loads(line)
+    body["\x1b[2J\x1b[H\nOK: 1 certificate(s) of 'd'"] = 1
+    export = tmp_path / "trail.jsonl"
+    export.write_text(json.dumps(body) + "\n")
+    code, text = run(certs.main, None, "--file", str(export), "--verify")  # type: ignore[arg-type]
+    assert code == 1 and "\x1b" not in text and "\nOK:" not in text, repr(text)

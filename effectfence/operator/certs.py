@@ -96,7 +96,8 @@ def print_report(report: TrailReport, out: TextIO, *, as_json: bool) -> None:
     )
     if not report.ok:
         line = "" if report.broken_at_line is None else f" (line {report.broken_at_line})"
-        print(f"breaks at seq {report.broken_at_seq}{line}: {report.reason}", file=out)
+        # the reason may quote a file's own text (a field name): escaped for the terminal
+        print(f"breaks at seq {report.broken_at_seq}{line}: {printable(report.reason)}", file=out)
     if report.tampered:
         print(f"hash does not match at seq {', '.join(map(str, report.tampered))}", file=out)
     for a, b in report.gaps:
@@ -175,8 +176,8 @@ def main(
         trail = read_trail(fence.store, args.domain, after_seq=args.after, limit=args.limit)
         if args.verify:
             window = list(trail)
-            before = outside_parents(fence.store, args.domain, window)
             cut = fence.store.trail_cut(args.domain)
+            before = outside_parents(fence.store, args.domain, window, cut=cut)
             report = check_trail(
                 window,
                 outside=before,

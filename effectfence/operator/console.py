@@ -340,8 +340,8 @@ class Console:
             # parents before the window, however far back (a long effect's parent can be
             # more than a page before it: looked for in one page only, a sound trail was
             # called BROKEN, found by review); read backwards, stopping once all are found
-            before = outside_parents(self.fence.store, domain, certs)
             cut = self.fence.store.trail_cut(domain)
+            before = outside_parents(self.fence.store, domain, certs, cut=cut)
             kept = kept_after_cut(self.fence.store, domain, cut, start)
         except TrailNotKept as exc:
             return {"ok": None, "reason": str(exc)}

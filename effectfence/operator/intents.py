@@ -54,8 +54,8 @@ def _positive(text: str) -> int:
         value = int(text)
     except ValueError:
         value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    if not 1 <= value <= MAX_SAFE_INTEGER:
+        raise argparse.ArgumentTypeError(f"expected a whole number, 1 to 2**53-1, got {text!r}")
     return value
 
 
