@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
-from effectfence.canonical import MAX_SAFE_INTEGER, canonical_bytes
+from effectfence.canonical import canonical_bytes
 from effectfence.cert import CERT_MAX_DEPTH
 from effectfence.errors import InvalidRequest, StoreUnavailable
 from effectfence.fence import EffectFence, _check_name
@@ -34,7 +34,7 @@ from effectfence.operator.trail import (
     outside_parents,
     read_trail,
 )
-from effectfence.operator.views import open_fence, printable
+from effectfence.operator.views import open_fence, printable, whole_number
 
 __all__ = ["NOT_FOUND", "main"]
 
@@ -42,16 +42,7 @@ __all__ = ["NOT_FOUND", "main"]
 NOT_FOUND = 3
 
 
-def _seq(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= MAX_SAFE_INTEGER:
-        raise argparse.ArgumentTypeError(
-            f"expected a seq (a whole number 0 to 2**53-1), got {text!r}"
-        )
-    return value
+_seq = whole_number(0, "a seq")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -19,7 +19,6 @@ import sys
 import time
 from typing import Any, TextIO
 
-from effectfence.canonical import MAX_SAFE_INTEGER
 from effectfence.errors import InvalidRequest, Refusal, StoreUnavailable
 from effectfence.fence import EffectFence
 from effectfence.operator.views import (
@@ -32,6 +31,7 @@ from effectfence.operator.views import (
     parse_duration,
     printable,
     whoami,
+    whole_number,
 )
 
 __all__ = ["main"]
@@ -49,24 +49,8 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if not 1 <= value <= MAX_SAFE_INTEGER:
-        raise argparse.ArgumentTypeError(f"expected a whole number, 1 to 2**53-1, got {text!r}")
-    return value
-
-
-def _token(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= MAX_SAFE_INTEGER:
-        raise argparse.ArgumentTypeError(f"expected a token (a whole number >= 0), got {text!r}")
-    return value
+_positive = whole_number(1, "a count")
+_token = whole_number(0, "a token")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -7,13 +7,15 @@ certificate is then named by its hash, seq, parent, tool and agent, and still ve
 
 from __future__ import annotations
 
+import argparse
 import getpass
 import math
 import re
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from effectfence.canonical import MAX_SAFE_INTEGER
 from effectfence.fence import AuditEntry, EffectFence, FenceConfig, _check_name
 from effectfence.protocol import IntentRecord, Row, State, observe
 
@@ -28,6 +30,7 @@ __all__ = [
     "parse_duration",
     "printable",
     "whoami",
+    "whole_number",
 ]
 
 #: what ``--state`` accepts, and the stored states each one means
@@ -167,6 +170,24 @@ def clear_view(intent: str, entry: AuditEntry | None) -> dict[str, Any]:
 
 #: records an agent or age filter looks through (the store filters state and domain)
 FILTER_SCAN = 100_000
+
+
+def whole_number(low: int, what: str) -> Callable[[str], int]:
+    """An argparse type: a whole number from ``low`` to 2**53-1 (past it, no store's driver
+    takes it: a traceback, found by review), named ``what`` in the complaint."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if not low <= value <= MAX_SAFE_INTEGER:
+            raise argparse.ArgumentTypeError(
+                f"expected {what} (a whole number, {low} to 2**53-1), got {text!r}"
+            )
+        return value
+
+    return parse
 
 
 def printable(value: object) -> str:
