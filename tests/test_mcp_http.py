@@ -40,6 +40,18 @@ from effectfence.store.memory import MemoryStore
 
 pytestmark = pytest.mark.anyio
 
+#: a session's opening request, as a raw client sends it
+INITIALIZE: dict[str, Any] = {
+    "jsonrpc": "2.0",
+    "id": 0,
+    "method": "initialize",
+    "params": {
+        "protocolVersion": "2025-11-25",
+        "capabilities": {},
+        "clientInfo": {"name": "raw", "version": "0"},
+    },
+}
+
 SERVE = [sys.executable, "-m", "effectfence", "serve"]
 TOKENS = {
     "alice": "alice-0123456789abcdef-token",
@@ -186,16 +198,7 @@ async def test_requests_without_a_valid_token_are_refused_and_change_nothing(
         "method": "tools/call",
         "params": {"name": "fence_prepare", "arguments": req("unauth:1")},
     }
-    init = {
-        "jsonrpc": "2.0",
-        "id": 0,
-        "method": "initialize",
-        "params": {
-            "protocolVersion": "2025-11-25",
-            "capabilities": {},
-            "clientInfo": {"name": "raw", "version": "0"},
-        },
-    }
+    init = INITIALIZE
     async with http_session(server.url, TOKENS["alice"]) as alice:
         before = await state(alice, "unauth:1")
         async with httpx.AsyncClient(timeout=TIMEOUT) as http:
@@ -280,6 +283,13 @@ def test_tokens_file_rules(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
         with pytest.raises(ValueError, match="written sha256:") as raised:
             Principals.parse(f"alice {label}{'b' * 64}")
         assert "b" * 16 not in str(raised.value)
+    # the message quotes the label alone: what follows it may be the secret itself, and
+    # the message reaches stderr and the SIGHUP reload's log line (found by review)
+    secret = "Zq8vK2pLx9Wm4Tn7Rb"
+    for token in (f"sha256-{secret}:v2", f"{{SHA256}}{secret}:x", f"sha-256={secret}"):
+        with pytest.raises(ValueError, match="written sha256:") as raised:
+            Principals.parse(f"alice {token}")
+        assert secret[:4] not in str(raised.value), raised.value
     # 64 hex digits anywhere in a plain token: a hash pasted some other way, warned of
     assert Principals.parse(f"alice x{'c' * 64}").hash_like == ("tokens:1",)
     bom = tmp_path / "tokens-with-bom"
@@ -619,16 +629,7 @@ async def test_console_without_tokens_is_loopbacks_and_clears_only_with_allow_cl
 async def _raw_session(http: httpx.AsyncClient, url: str, token: str) -> dict[str, str]:
     """Initialize a session by hand; the headers every later request carries."""
     headers = {**MCP_HEADERS, "Authorization": f"Bearer {token}"}
-    init = {
-        "jsonrpc": "2.0",
-        "id": 0,
-        "method": "initialize",
-        "params": {
-            "protocolVersion": "2025-11-25",
-            "capabilities": {},
-            "clientInfo": {"name": "raw", "version": "0"},
-        },
-    }
+    init = INITIALIZE
     r = await http.post(url, json=init, headers=headers)
     assert r.status_code == 200, r.text
     headers["mcp-session-id"] = r.headers["mcp-session-id"]
@@ -780,6 +781,105 @@ async def test_one_principal_cannot_take_every_session() -> None:
         await _raw_session(http, url, TOKENS["bob"])  # bob is not locked out
         assert (await http.delete(url, headers=first)).status_code == 200
         await _raw_session(http, url, TOKENS["alice"])  # room again
+    assert fence.stats()["attempts"] == 0
+
+
+async def test_openings_whose_bodies_come_late_cannot_pass_the_session_cap() -> None:
+    """The cap was checked before the body was read, and the SDK registers a session only
+    once it has the body: N openings whose bodies all came late each found no session
+    and all opened (found by review: 6 with a cap of 2). Here every request that passes
+    the gate is held at its body until all N have been judged; only the cap's number open,
+    the rest are refused 429."""
+    n, cap = 6, 2
+    fence = EffectFence()
+    server = build_server(fence, authenticated=True)
+    app = build_app(
+        server,
+        fence,
+        Metrics(),
+        host="127.0.0.1",
+        principals=Principals.parse(f"alice {TOKENS['alice']}\n"),
+        sessions_per_principal=cap,
+    )
+    init = json.dumps(INITIALIZE).encode()
+    headers = [
+        (b"host", b"127.0.0.1:80"),
+        (b"accept", b"application/json, text/event-stream"),
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(init)).encode()),
+        (b"authorization", f"Bearer {TOKENS['alice']}".encode()),
+    ]
+    judged = 0  # requests held at their body, or answered without reading it
+    everyone_judged = anyio.Event()
+    statuses: list[int] = []
+    sessions: list[str] = []
+
+    def one_judged() -> None:
+        nonlocal judged
+        judged += 1
+        if judged == n:
+            everyone_judged.set()
+
+    async def opening() -> None:
+        read = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal read
+            if read:
+                await anyio.sleep_forever()
+            read = True
+            one_judged()
+            await everyone_judged.wait()
+            return {"type": "http.request", "body": init, "more_body": False}
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                statuses.append(message["status"])
+                if not read:
+                    one_judged()  # answered without its body: refused at the gate
+                for k, v in message["headers"]:
+                    if k == b"mcp-session-id":
+                        sessions.append(v.decode())
+
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": "/mcp",
+            "raw_path": b"/mcp",
+            "query_string": b"",
+            "root_path": "",
+            "client": ("127.0.0.1", 1),
+            "server": ("127.0.0.1", 80),
+            "headers": headers,
+        }
+        await app(scope, receive, send)  # type: ignore[arg-type]
+
+    to_app, from_test = anyio.create_memory_object_stream[dict[str, Any]](4)
+    started = anyio.Event()
+
+    async def lifespan_send(message: dict[str, Any]) -> None:
+        if message["type"] == "lifespan.startup.complete":
+            started.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(
+            app, {"type": "lifespan", "asgi": {"version": "3.0"}}, from_test.receive, lifespan_send
+        )
+        await to_app.send({"type": "lifespan.startup"})
+        with anyio.fail_after(TIMEOUT):
+            await started.wait()
+            async with anyio.create_task_group() as requests:
+                for _ in range(n):
+                    requests.start_soon(opening)
+                while len(statuses) < n:
+                    await anyio.sleep(0.01)  # bounded by fail_after; no outcome hangs on it
+                requests.cancel_scope.cancel()
+        tg.cancel_scope.cancel()
+    assert sorted(statuses) == [200] * cap + [429] * (n - cap), statuses
+    assert len(set(sessions)) == cap
     assert fence.stats()["attempts"] == 0
 
 

@@ -179,11 +179,13 @@ class Principals:
             hashed = _HASHED.fullmatch(secret)
             if hashed:
                 digest = hashed.group(1)
-            elif _HASH_LABEL.match(secret):
+            elif label := _HASH_LABEL.match(secret):
+                # only what the label pattern matched is quoted: the rest may be the secret,
+                # and this message reaches stderr and the reload log (found by review)
                 raise ValueError(
                     f"{where}: a hashed token is written sha256: and 64 lowercase hex digits "
-                    f"(this one starts {secret[: secret.find(':') + 1 or 8]!r}; as written, the "
-                    "hash itself would be the token)"
+                    f"(this one starts with the label {label.group(0)!r}; as written, the hash "
+                    "itself would be the token)"
                 )
             elif len(secret) < MIN_TOKEN_LENGTH or not _TOKEN.fullmatch(secret):
                 raise ValueError(
@@ -433,6 +435,8 @@ class _Gate:
         #: without it every /mcp request fails, so /healthz must not say ok
         self.serving = False
         self._users: dict[str, AuthenticatedUser] = {}
+        #: requests per principal that may open a session and have not started their answer
+        self._opening: dict[str, int] = {}
         #: /healthz answers anyone: one store probe at a time, its answer shared with every
         #: request that came meanwhile and reused for HEALTH_FRESH seconds, so a flood of
         #: unauthenticated requests costs the store (and the thread pool) next to nothing
@@ -491,7 +495,8 @@ class _Gate:
             if (
                 scope["method"] == "POST"
                 and b"mcp-session-id" not in headers
-                and self._sessions_of(principal) >= self.sessions_per_principal
+                and self._sessions_of(principal) + self._opening.get(principal, 0)
+                >= self.sessions_per_principal
             ):
                 body = {
                     "error": "too_many_sessions",
@@ -519,7 +524,43 @@ class _Gate:
                     return
             else:  # chunked: the SDK counts as it reads, and answers in plain text
                 send = _json_413(send)
-        await self.app(scope, receive, send)
+        principal = scope.get(PRINCIPAL_SCOPE_KEY)
+        if principal is None or scope["method"] != "POST" or b"mcp-session-id" in headers:
+            await self.app(scope, receive, send)
+            return
+        await self._open_session(principal, scope, receive, send)
+
+    async def _open_session(
+        self, principal: str, scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        """A request that may open a session counts against its principal's cap from the
+        cap's check until its answer starts: the SDK registers the session only after it has
+        read the body, so openings whose bodies were slow all passed a check that counted
+        registered sessions alone (found by review: one token holder could take every
+        session). Counted twice for a moment (registered, answer not yet started), a
+        request can only make the cap stricter, never looser."""
+        self._opening[principal] = self._opening.get(principal, 0) + 1
+        pending = True
+
+        def settle() -> None:
+            nonlocal pending
+            if pending:
+                pending = False
+                left = self._opening[principal] - 1
+                if left:
+                    self._opening[principal] = left
+                else:
+                    del self._opening[principal]
+
+        async def answer(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                settle()
+            await send(message)
+
+        try:
+            await self.app(scope, receive, answer)
+        finally:
+            settle()
 
     def _sessions_of(self, principal: str) -> int:
         """How many of the SDK's open sessions ``principal`` opened (a new session is rare:
