@@ -35,6 +35,7 @@ import math
 import operator
 import re
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final, cast
 
@@ -728,17 +729,49 @@ def _limit(max_bytes: int | None) -> int:
     return max_bytes if max_bytes > 0 else 0
 
 
+def _python_encode(value: object, max_depth: int, max_bytes: int) -> bytes:
+    data: bytes | None = None
+    snapshot = _fast_snapshot(value, max_depth, max_bytes)
+    if snapshot is not _NOT_FAST:
+        data = _fast_encode(snapshot)
+    if data is None:
+        text = _exact_text(value, max_depth, max_bytes)
+        data = _encode_utf8(text, value, max_depth)
+    return data
+
+
+def _on_a_fresh_stack(fn: Callable[..., bytes], *args: Any) -> bytes:
+    """``fn(*args)`` in a new thread, whose stack starts empty; its result or its error."""
+    out: list[bytes] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            out.append(fn(*args))
+        except BaseException as exc:  # handed back to the caller, whatever it is
+            error.append(exc)
+
+    thread = threading.Thread(target=run, name="effectfence-deep-encode", daemon=True)
+    thread.start()
+    thread.join()
+    if error:
+        raise error[0]
+    return out[0]
+
+
 def _python_bytes(value: object, max_depth: int, max_bytes: int) -> bytes:
     """The Python encoder: orjson over the fast path's snapshot where the shape allows, the
-    exact path otherwise. Only ``CanonicalError`` leaves it."""
+    exact path otherwise. Only ``CanonicalError`` leaves it.
+
+    Deep values recurse, so whether one encoded hung on how deep the CALLER's stack was: a
+    payload admitted at prepare failed at commit or at a replay made from deeper down
+    (found by review). A value the caller's stack could not hold is encoded again on a
+    fresh stack, so the answer depends on the value and ``max_depth`` alone."""
     try:
-        data: bytes | None = None
-        snapshot = _fast_snapshot(value, max_depth, max_bytes)
-        if snapshot is not _NOT_FAST:
-            data = _fast_encode(snapshot)
-        if data is None:
-            text = _exact_text(value, max_depth, max_bytes)
-            data = _encode_utf8(text, value, max_depth)
+        try:
+            data = _python_encode(value, max_depth, max_bytes)
+        except RecursionError:
+            data = _on_a_fresh_stack(_python_encode, value, max_depth, max_bytes)
     except CanonicalError:
         raise
     except RecursionError:

@@ -49,8 +49,12 @@ __all__ = [
 CERT_FORMAT = "effectfence.cert/1"
 
 #: the deepest args or result a certificate holds (``FenceConfig.max_depth`` is bounded by
-#: it): whatever the fence admitted, every later re-encoding of its certificate must accept
-MAX_PAYLOAD_DEPTH: Final = 512
+#: it): whatever the fence admitted, every later re-encoding of its certificate must accept.
+#: Past the compiled encoder's depth the Python encoder walks two frames a level; at 512 a
+#: certificate admitted at prepare failed verify(), or could not be stored, once re-encoded
+#: one level deeper from a deeper stack (found by review). 256 leaves the interpreter's
+#: stack room to spare, and a payload nested that deep is no tool's real argument.
+MAX_PAYLOAD_DEPTH: Final = 256
 #: the nesting every re-encoding of a certificate allows (hash, JSON form, durable stores):
 #: its args and result sit one level below the body
 CERT_MAX_DEPTH: Final = MAX_PAYLOAD_DEPTH + 1

@@ -76,7 +76,8 @@ def _seq(field: str, value: object) -> int:
 def _read_set(entries: Iterable[Any] | None) -> tuple[ReadSetEntry, ...]:
     if not entries:
         return ()
-    if isinstance(entries, str | bytes | Mapping):
+    if isinstance(entries, str | bytes | Mapping) or not isinstance(entries, Iterable):
+        # read_set=5 raised a bare TypeError, past the count of refusals (found by review)
         raise InvalidRequest("read_set must be a list of [domain, seq] pairs")
     out: list[ReadSetEntry] = []
     seen: dict[str, int] = {}

@@ -19,6 +19,7 @@ import secrets
 from typing import Any
 
 from effectfence.canonical import CanonicalError, canonical_bytes, json_loads
+from effectfence.cert import CERT_MAX_DEPTH
 from effectfence.errors import InvalidRequest, InvalidTicket
 from effectfence.model import PreparedEffect
 
@@ -71,7 +72,15 @@ class TicketSigner:
     def seal(self, ticket: PreparedEffect) -> str:
         """The wire form; refused (InvalidRequest) if :meth:`open` would refuse it as too
         large, so no one is ever handed a ticket that cannot be committed."""
-        body = canonical_bytes(ticket.to_dict())
+        try:
+            # as deep as the fence admits: the ticket holds args one level down, as a
+            # certificate does (sealed at 64, deeper admitted args crashed prepare after
+            # the claim, found by review)
+            body = canonical_bytes(ticket.to_dict(), max_depth=CERT_MAX_DEPTH)
+        except CanonicalError as exc:  # a refusal, so a caller lets the claim go
+            raise InvalidRequest(
+                f"the ticket for {ticket.intent!r} cannot be sealed: {exc}", intent=ticket.intent
+            ) from exc
         wire = base64.urlsafe_b64encode(body).decode().rstrip("=") + "." + self._mac(body)
         if len(wire) > _MAX_WIRE:
             raise InvalidRequest(
@@ -105,7 +114,7 @@ class TicketSigner:
             # plain parser made it an int the re-encoding refuses: the ticket of an effect
             # that ran could not be committed (found by review)
             data = json_loads(body)
-            if canonical_bytes(data) != body:
+            if canonical_bytes(data, max_depth=CERT_MAX_DEPTH) != body:
                 raise InvalidTicket("ticket body is not canonical")
             return PreparedEffect.from_dict(data)
         except (ValueError, CanonicalError, InvalidRequest) as exc:

@@ -7,9 +7,12 @@ Collisions are forced with ``threading.Barrier``; time moves only through the fa
 from __future__ import annotations
 
 import copy
+import inspect
 import itertools
 import math
-from typing import Any
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import pytest
 from support import FakeClock, FenceFactory, race
@@ -35,6 +38,8 @@ from effectfence.cert import MAX_PAYLOAD_DEPTH
 from effectfence.decorator import fenced
 from effectfence.fence import FenceConfig
 from effectfence.model import MAX_KNOWN_COUNTER, PreparedEffect
+
+_T = TypeVar("_T")
 
 
 def req(
@@ -782,6 +787,45 @@ def test_max_depth_is_bounded_by_what_a_certificate_holds(make_fence: FenceFacto
     assert cert.verify() and cert.args == {"deep": deep}
     replay = fence.prepare(req(args={"deep": deep}))
     assert isinstance(replay, Replay) and replay.cert == cert and replay.cert.verify()
+
+
+def _nest(n: int) -> Any:
+    v: Any = 1
+    for _ in range(n):
+        v = [v]
+    return v
+
+
+def _from_deep_down(frames_left: int, fn: Callable[[], _T]) -> _T:
+    """``fn()`` called with only ``frames_left`` frames of the interpreter's stack to spare."""
+
+    def down(k: int) -> _T:
+        return fn() if k <= 0 else down(k - 1)
+
+    here = len(inspect.stack(0))
+    return down(sys.getrecursionlimit() - here - frames_left)
+
+
+def test_the_deepest_payload_admitted_commits_verifies_and_replays_from_any_stack(
+    make_fence: FenceFactory,
+) -> None:
+    """Past the compiled encoder's depth the Python encoder recurses, so whether a payload
+    encoded hung on how deep the caller's stack was: args admitted at prepare got a
+    certificate that failed verify(), a commit SQLite could not record after the effect
+    ran, or a replay refused from deeper down (found by review, at max_depth 512). Now a
+    payload is encoded on a fresh stack when the caller's cannot hold it, and the bound is
+    one every re-encoding of the certificate takes."""
+    fence = make_fence(max_depth=MAX_PAYLOAD_DEPTH)
+    with pytest.raises(InvalidRequest, match="nesting"):
+        fence.prepare(req(args={"deep": _nest(MAX_PAYLOAD_DEPTH)}))
+    deep = _nest(MAX_PAYLOAD_DEPTH - 1)  # the deepest admitted: args themselves are a level
+    ticket = _from_deep_down(200, lambda: fresh(fence, req(args={"deep": deep})))
+    cert = _from_deep_down(200, lambda: fence.commit(ticket, {"deep": deep}))
+    assert cert.verify() and cert.args == {"deep": deep}
+    replay = _from_deep_down(200, lambda: fence.prepare(req(args={"deep": deep})))
+    assert isinstance(replay, Replay) and replay.cert == cert and replay.cert.verify()
+    again = fence.prepare(req(args={"deep": deep}))  # and from a shallow stack
+    assert isinstance(again, Replay) and again.cert == cert
 
 
 def test_a_certificate_the_store_cannot_encode_is_a_typed_refusal(

@@ -204,3 +204,58 @@ def test_serve_never_echoes_a_keyword_dsn_password(capsys: pytest.CaptureFixture
     err = capsys.readouterr().err
     assert "a store URL looks like" in err
     assert "hunter2" not in err
+
+
+# -- a ticket sealed shallower than the fence admits ---------------------------------------------
+
+
+async def test_args_as_deep_as_the_fence_admits_get_a_ticket_that_commits() -> None:
+    """Tickets were sealed at a fixed depth of 64 while a fence admits up to its max_depth:
+    deeper args were claimed, then sealing raised a bare CanonicalError, so the caller got
+    an untyped error and the intent stayed in flight under a token nobody held (found by
+    review). They are sealed as deep as a certificate holds now."""
+    deep: Any = 1
+    for _ in range(99):  # args {"a": deep} nest 100 deep: what max_depth=100 admits
+        deep = [deep]
+    fence = EffectFence(FenceConfig(max_depth=100))
+    server = build_server(fence)
+    async with connect(server) as client:
+        first = ok(await client.call_tool("fence_prepare", req(args={"a": deep})))
+        assert first["status"] == "fresh"
+        done = await client.call_tool(
+            "fence_commit", {"prepared": first["prepared"], "result": {"a": deep}}
+        )
+        assert ok(done)["cert"]["args"] == {"a": deep}
+        again = ok(await client.call_tool("fence_prepare", req(args={"a": deep})))
+        assert again["status"] == "replay"
+
+
+async def test_a_ticket_that_cannot_be_sealed_is_a_refusal_that_lets_the_claim_go(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Backstop: whatever keeps a ticket from being sealed is InvalidRequest, the refusal
+    on which the server lets the claim go; a bare CanonicalError left it held."""
+    from effectfence import tickets
+    from effectfence.canonical import CanonicalError
+
+    def unsealable(value: Any, **kw: Any) -> bytes:
+        raise CanonicalError("$.args", "nesting is deeper than max_depth")
+
+    fence = EffectFence()
+    server = build_server(fence)
+    monkeypatch.setattr(tickets, "canonical_bytes", unsealable)
+    async with connect(server) as client:
+        refused(await client.call_tool("fence_prepare", req()), "invalid_request")
+    assert fence.intent_status("charge:1").state == "absent"
+
+
+def test_a_read_set_that_is_not_a_list_is_a_counted_refusal() -> None:
+    """read_set=5 raised a bare TypeError, past the count of refusals (found by review)."""
+    from effectfence.errors import InvalidRequest
+
+    fence = EffectFence()
+    for bad in (5, 2.5, object()):
+        with pytest.raises(InvalidRequest, match="read_set"):
+            fence.request("i", "d", "t", {}, "a", read_set=bad)  # type: ignore[arg-type]
+    assert fence.stats()["prepare"]["invalid_request"] == 3
+    assert fence.intent_status("i").state == "absent"

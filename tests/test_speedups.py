@@ -29,6 +29,7 @@ from effectfence import (
     _accel,
 )
 from effectfence.canonical import CanonicalError, _es6_number, _exact_bytes, canonical_bytes
+from effectfence.cert import MAX_PAYLOAD_DEPTH
 from effectfence.counters import backend_info
 
 sp = _accel.speedups
@@ -278,9 +279,9 @@ def test_deep_input_never_recurses_deep_in_c(monkeypatch: pytest.MonkeyPatch) ->
     assert sp.canonical(deep, 10**9) == b"[" * 128 + b"1" + b"]" * 128
     assert sp.canonical([deep], 10**9) is None
     nested: Any = {"v": 1}
-    for _ in range(400):
+    for _ in range(MAX_PAYLOAD_DEPTH - 2):
         nested = {"k": nested}
-    fence = EffectFence(FenceConfig(auto_sweep=False, max_depth=512))
+    fence = EffectFence(FenceConfig(auto_sweep=False, max_depth=MAX_PAYLOAD_DEPTH))
     out: list[Any] = []
     old = threading.stack_size(128 * 1024)
     try:
