@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -225,13 +226,30 @@ def test_with_tokens_every_page_needs_them(fence: EffectFence) -> None:
         status, headers, _ = call(base + "/login", data=form, method="POST", headers=ctype)
         cookie = headers["Set-Cookie"]
         assert status == 303 and "HttpOnly" in cookie and "SameSite=Strict" in cookie
+        # the login's pages live under a path of its own, and its cookie names that path
+        # only: browsers send a host's cookies to every port on it, so a cookie for "/"
+        # reached whatever else listened on the machine (found by review)
+        home = headers["Location"]
+        assert home.startswith("/s/") and home.endswith("/") and len(home) > 10
+        assert f"Path={home};" in cookie + ";"
         session = {"Cookie": cookie.split(";")[0]}
-        status, _, page = call(base + "/", headers=session)
+        status, _, page = call(base + home, headers=session)
         assert status == 200 and b"signed in as ops" in page
+        assert f'const BASE="{home[:-1]}"'.encode() in page  # its links stay on its path
+        assert call(base + home + "api/intents", headers=session)[0] == 200
+        # the cookie anywhere else opens nothing: the plain paths, another login's path
+        status, headers, _ = call(base + "/", headers=session)
+        assert status == 303 and headers["Location"] == "/login"
+        assert call(base + "/api/intents", headers=session)[0] == 401
+        other = call(base + "/login", data=form, method="POST", headers=ctype)[1]["Location"]
+        assert other != home
+        assert call(base + other + "api/intents", headers=session)[0] == 401
+        assert call(base + home + "api/intents", headers=bearer)[0] == 401  # cookie paths only
         fence.abort(fence.prepare(req(1)).ticket, "x")  # type: ignore[union-attr]
         body = {"intent": "charge:1", "reason": "done by ops"}
         # a session (a browser) needs its CSRF token; a bearer client does not
-        assert call(base + "/api/clear", data=body, headers=session, method="POST")[0] == 403
+        clear = base + home + "api/clear"
+        assert call(clear, data=body, headers=session, method="POST")[0] == 403
         status, _, out = call(base + "/api/clear", data=body, headers=bearer, method="POST")
         assert status == 200 and json.loads(out)["audit"]["who"] == "ops (console)"
     finally:
@@ -259,10 +277,11 @@ def test_a_console_login_ends_with_its_token_and_its_time(
     def login(token: str = TOKEN) -> dict[str, str]:
         status, _, _, headers = console.handle("POST", "/login", host, f"token={token}".encode())
         assert status == 303, status
-        return {**host, "Cookie": dict(headers)["Set-Cookie"].split(";")[0]}
+        got = dict(headers)
+        return {**host, "Cookie": got["Set-Cookie"].split(";")[0], "home": got["Location"]}
 
     def status(session: dict[str, str]) -> int:
-        return console.handle("GET", "/api/stats", session, b"")[0]
+        return console.handle("GET", session["home"] + "api/stats", session, b"")[0]
 
     session = login()
     assert status(session) == 200
@@ -372,8 +391,13 @@ def test_a_console_below_a_base_path_names_it_everywhere(fence: EffectFence) -> 
     assert b"action='/console/login'" in page
     form = f"token={TOKEN}".encode()
     status, _, _, headers = console.handle("POST", "/console/login", host, form)
-    assert status == 303 and dict(headers)["Location"] == "/console/"
-    assert "Path=/console" in dict(headers)["Set-Cookie"]
+    home = dict(headers)["Location"]
+    assert status == 303 and home.startswith("/console/s/") and home.endswith("/")
+    assert f"Path={home};" in dict(headers)["Set-Cookie"] + ";"
+    cookie = {**host, "Cookie": dict(headers)["Set-Cookie"].split(";")[0]}
+    status, _, page, _ = console.handle("GET", home, cookie, b"")
+    assert status == 200 and f"href='{home}intent?id=charge%3A1'".encode() in page
+    assert f'const BASE="{home[:-1]}"'.encode() in page
     for index in ("/console", "/console/"):
         status, _, page, _ = console.handle("GET", index, bearer, b"")
         assert status == 200 and b"href='/console/intent?id=charge%3A1'" in page
@@ -607,7 +631,9 @@ def test_console_on_the_mcp_server_in_a_browser(browser: Any, tmp_path: Path) ->
 
         _click_live(browser, "charge:2")
         wait.until(ec.presence_of_element_located((By.ID, "clear-form")))
-        assert browser.current_url.startswith(srv.base + "/console/intent?id=")
+        assert re.match(
+            re.escape(srv.base) + r"/console/s/[\w-]+/intent\?id=", browser.current_url
+        ), browser.current_url
         browser.find_element(By.ID, "reason").send_keys("the bank shows no charge; ticket #82")
         browser.find_element(By.ID, "clear").click()
         wait.until(ec.text_to_be_present_in_element((By.ID, "result"), "by ops (console)"))

@@ -532,15 +532,17 @@ async def test_console_on_the_server_needs_its_tokens(
         assert r.status_code == 403 and "set-cookie" not in r.headers
         r = await http.post(console + "/login", content="token=not-a-token-000000", headers=form)
         assert r.status_code == 401 and "set-cookie" not in r.headers
-        # a token logs the browser in: a session cookie for /console only
+        # a token logs the browser in: a session cookie for its own path below /console
         r = await http.post(console + "/login", content=f"token={TOKENS['bob']}", headers=form)
-        assert r.status_code == 303 and r.headers["location"] == "/console/"
+        home = r.headers["location"]
+        assert r.status_code == 303 and home.startswith("/console/s/") and home.endswith("/")
         cookie = r.headers["set-cookie"]
-        assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Path=/console" in cookie
+        assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and f"Path={home}" in cookie
         session = {"Cookie": cookie.split(";")[0]}
-        page = await http.get(console + "/", headers=session)
+        page = await http.get(srv.base + home, headers=session)
         assert page.status_code == 200 and "signed in as bob" in page.text
-        assert 'const BASE="/console"' in page.text
+        assert f'const BASE="{home[:-1]}"' in page.text
+        assert (await http.get(console + "/", headers=session)).status_code == 303
         # the cookie is the console's: it opens nothing else
         assert (await http.get(srv.base + "/metrics", headers=session)).status_code == 401
         # bodies are bounded before anything reads them

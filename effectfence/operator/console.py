@@ -13,7 +13,11 @@ Rules, each enforced here and nowhere else:
 
 1. Without ``--tokens`` the console binds only a loopback address; with it, every request
    but ``/healthz`` and the login page carries the token (``Authorization: Bearer``) or
-   the session cookie the login set (HttpOnly, SameSite=Strict).
+   the session cookie the login set (HttpOnly, SameSite=Strict). A browser's session lives
+   under a path of its own, ``/s/<random>/``, and its cookie names that path: browsers send
+   a host's cookies to every port on it, so a cookie for the whole host reached any other
+   server on the machine the browser was sent to (found by review); one for a path nobody
+   else knows reaches none.
 2. A request whose ``Host`` is not a loopback name, the bound address or a host the
    operator allowed is refused 421 (DNS rebinding: a page of another site that resolves
    to this machine cannot read it).
@@ -47,7 +51,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import parse_qs, quote, urlsplit
 
 from effectfence.errors import CLEAR_COMMAND, InvalidRequest, Refusal, StoreUnavailable
@@ -134,6 +138,17 @@ class _Session:
     csrf: str
     key: str
     expires: float
+    #: the path segment this login's pages live under (``/s/<path>/``), named by its cookie
+    path: str
+
+
+class _Who(NamedTuple):
+    """Who sent a request: the principal, the CSRF token its clears carry ("" for a bearer
+    client), and the path its pages link under."""
+
+    name: str
+    csrf: str
+    base: str
 
 
 class Console:
@@ -200,13 +215,15 @@ class Console:
         return point
 
     # -- authentication ---------------------------------------------------------------------
-    def _session(self, headers: dict[str, str]) -> tuple[str, str] | None:
-        """(principal, csrf token) of the request, or None when it is not authenticated."""
+    def _session(self, headers: dict[str, str], path: str | None) -> _Who | None:
+        """Who sent the request, or None when it is not authenticated. ``path`` is the
+        ``/s/<path>/`` the request came under, if any: a login's cookie counts there only."""
         if self.principals is None:
-            return self.who, self._open_csrf
-        name = self.principals.authenticate(headers.get("authorization"))
-        if name is not None:
-            return name, ""  # a bearer client is not a browser: no CSRF token needed
+            return None if path is not None else _Who(self.who, self._open_csrf, self.base)
+        if path is None:
+            name = self.principals.authenticate(headers.get("authorization"))
+            # a bearer client is not a browser: no CSRF token needed
+            return None if name is None else _Who(name, "", self.base)
         for part in headers.get("cookie", "").split(";"):
             key, _, value = part.strip().partition("=")
             if key == COOKIE:
@@ -221,7 +238,9 @@ class Console:
                     ):
                         del self._sessions[value]
                         return None
-                    return login.name, login.csrf
+                    if login.path != path:  # another login's path: not this cookie's
+                        return None
+                    return _Who(login.name, login.csrf, f"{self.base}/s/{login.path}")
         return None
 
     def _host_ok(self, headers: dict[str, str]) -> bool:
@@ -249,7 +268,11 @@ class Console:
             return _json(200, {"ok": True})
         if path == "/login" and self.principals is not None:
             return self._login(method, headers, body)
-        session = self._session(headers)
+        own: str | None = None
+        if path.startswith("/s/"):  # a browser's login: /s/<its path>/...
+            own, _, rest = path[3:].partition("/")
+            path = "/" + rest
+        session = self._session(headers, own)
         if session is None:
             if method == "GET" and not path.startswith("/api/"):
                 return 303, "text/plain", b"", [("Location", f"{self.base}/login")]
@@ -284,6 +307,7 @@ class Console:
             got = self.principals.login(token)
             if got is not None:
                 cookie = secrets.token_urlsafe(32)
+                own = secrets.token_urlsafe(16)
                 now = self._clock()
                 with self._lock:
                     sessions = self._sessions
@@ -292,15 +316,15 @@ class Console:
                     while len(sessions) >= MAX_SESSIONS:
                         del sessions[next(iter(sessions))]
                     sessions[cookie] = _Session(
-                        got[0], secrets.token_urlsafe(24), got[1], now + SESSION_TTL
+                        got[0], secrets.token_urlsafe(24), got[1], now + SESSION_TTL, own
                     )
-                attrs = f"HttpOnly; SameSite=Strict; Path={self.base or '/'}"
+                attrs = f"HttpOnly; SameSite=Strict; Path={self.base}/s/{own}/"
                 return (
                     303,
                     "text/plain",
                     b"",
                     [
-                        ("Location", f"{self.base}/"),
+                        ("Location", f"{self.base}/s/{own}/"),
                         ("Set-Cookie", f"{COOKIE}={cookie}; {attrs}"),
                     ],
                 )
@@ -309,7 +333,7 @@ class Console:
             "<label>token <input type=password name=token autocomplete=off required></label> "
             "<button>log in</button></form>"
         )
-        return _html(401 if method == "POST" else 200, self._page("log in", form, ""))
+        return _html(401 if method == "POST" else 200, self._page("log in", form, "", self.base))
 
     # -- data -------------------------------------------------------------------------------
     def api_intents(self) -> dict[str, Any]:
@@ -349,9 +373,9 @@ class Console:
         return report.to_dict()
 
     def api_clear(
-        self, headers: dict[str, str], body: bytes, session: tuple[str, str]
+        self, headers: dict[str, str], body: bytes, session: _Who
     ) -> tuple[int, str, bytes, list[tuple[str, str]]]:
-        who, csrf = session
+        who, csrf = session.name, session.csrf
         if not self.allow_clear:
             return _json(403, {"error": "clear_disabled", "message": _CLEAR_OFF})
         if csrf and (
@@ -398,24 +422,24 @@ class Console:
         return _json(200, {"cleared": True, "audit": entry_view(entry, self.fence.store.now())})
 
     # -- pages ------------------------------------------------------------------------------
-    def page_index(self, session: tuple[str, str]) -> str:
+    def page_index(self, session: _Who) -> str:
         data = self.api_intents()
         body = (
             f"<h1>effectfence console</h1><p class=muted>store {_e(self.store_label)} &middot; "
-            f"signed in as {_e(session[0])}</p>"
+            f"signed in as {_e(session.name)}</p>"
             "<h2>In flight and failed</h2>"
             "<table id=intents><thead><tr><th>intent</th><th>state</th><th>domain</th>"
             "<th>holder</th><th>token</th><th>age</th><th>detail</th></tr></thead>"
-            f"<tbody>{_intent_rows(data['intents'], self.base)}</tbody></table>"
+            f"<tbody>{_intent_rows(data['intents'], session.base)}</tbody></table>"
             "<h2>Counters</h2><svg id=chart width=720 height=220 role=img "
             "aria-label='counters over time'></svg><div id=legend></div>"
             "<h2>Audit</h2><table id=audit><thead><tr><th>#</th><th>when</th><th>intent</th>"
             "<th>who</th><th>was</th><th>reason</th></tr></thead>"
             f"<tbody>{_audit_rows(data['audit'])}</tbody></table>"
         )
-        return self._page("effectfence console", body, _INDEX_JS)
+        return self._page("effectfence console", body, _INDEX_JS, session.base)
 
-    def page_intent(self, intent: str, session: tuple[str, str]) -> str:
+    def page_intent(self, intent: str, session: _Who) -> str:
         v = self.api_intent(intent)
         skip = {"cert", "audit", "chain", "detail"}
         facts = "".join(
@@ -424,7 +448,7 @@ class Console:
             if k not in skip and val is not None
         )
         parts = [
-            f"<p><a href='{_e(self.base)}/'>&larr; all intents</a></p><h1>{_e(intent)}</h1>"
+            f"<p><a href='{_e(session.base)}/'>&larr; all intents</a></p><h1>{_e(intent)}</h1>"
             f"<dl>{facts}</dl>"
         ]
         cert = v.get("cert")
@@ -466,17 +490,19 @@ class Console:
                 f"</textarea><br>{force}<button id=clear type=submit>clear {_e(intent)}"
                 "</button></form><p id=result role=status></p>"
             )
-        csrf = session[1]
+        csrf = session.csrf
         seen = {"state": v["state"], "token": v.get("token")}  # what fence.clear compares
         data = json.dumps({"intent": intent, "csrf": csrf, "header": CSRF_HEADER, **seen})
         return self._page(
-            intent, "".join(parts), _INTENT_JS.replace("__DATA__", _script_json(data))
+            intent,
+            "".join(parts),
+            _INTENT_JS.replace("__DATA__", _script_json(data)),
+            session.base,
         )
 
-    def _page(self, title: str, body: str, script: str) -> str:
-        """A whole page; its script knows the base path as BASE."""
-        base = f"const BASE={_script_json(json.dumps(self.base))};"
-        return _page(title, body, base + script)
+    def _page(self, title: str, body: str, script: str, base: str) -> str:
+        """A whole page; its script knows the path its links go under as BASE."""
+        return _page(title, body, f"const BASE={_script_json(json.dumps(base))};" + script)
 
 
 # -- HTML helpers ------------------------------------------------------------------------------
