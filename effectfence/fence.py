@@ -1202,6 +1202,10 @@ class EffectFence:
         other processes' through the store (:meth:`FenceStore.wait_for_change`).
         Registered before the check, so no transition is missed; unregistered after."""
         _check_intent(intent)
+        # NaN passed every comparison and returned False at once; a str raised TypeError
+        # from inside the store's wait (found by review)
+        if type(timeout) not in (int, float) or not timeout >= 0:
+            raise InvalidRequest(f"wait's timeout is seconds, a number >= 0, got {timeout!r}")
         with self._waiters_lock:
             w = self._waiters.get(intent)
             if w is None:

@@ -331,6 +331,19 @@ def test_a_nul_in_a_name_a_clock_agent_or_a_reason_is_refused_before_anything_ru
     assert fence.intent_status("charge:order-1").state == "failed"
 
 
+def test_wait_refuses_a_timeout_that_is_not_seconds(fence: EffectFence) -> None:
+    """NaN returned False at once (every comparison with it fails) and a str raised a bare
+    TypeError from inside the store (found by review): a typed refusal, nothing waited on."""
+    t = fresh(fence)
+    for bad in (math.nan, -1.0, "5", None, True, [1.0]):
+        with pytest.raises(InvalidRequest, match="timeout"):
+            fence.wait("charge:order-1", bad)  # type: ignore[arg-type]
+    assert fence._waiters == {}
+    assert fence.wait("charge:order-1", 0) is False and fence.wait("charge:order-1", 0.0) is False
+    fence.commit(t, {"ok": True})
+    assert fence.wait("charge:order-1", math.inf) is True
+
+
 def test_g6_expected_seq_judged_against_own_reservation(fence: EffectFence) -> None:
     base = fence.current("order:1")
     t = fresh(fence, req(expected_seq=base))
