@@ -906,12 +906,12 @@ async def test_a_cancel_of_a_call_waiting_for_the_restarted_child_still_reaches_
     async with asyncio.timeout(BOUND):
         await held.wait()  # the call waits for the next child
     cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": rid}}
-    handled = asyncio.ensure_future(h.proxy.on_client_line(json.dumps(cancel).encode()))
+    handled = asyncio.ensure_future(h.proxy.on_client_line(json.dumps(cancel).encode() + b"\n"))
     await asyncio.sleep(0)  # it decides (drop, or wait for the child) before its first wait
     gate.set()
     await handled
+    await h.answer(h.send("ping"))  # relayed after the cancel (in order): it is there by now
     reached = any(b"notifications/cancelled" in data for data in to_child)
-    await h.answer(h.send("ping"))
     assert await h.stop() == 0
     assert reached, "the cancel never reached the child"
 
@@ -927,6 +927,12 @@ def test_the_default_scope_tells_servers_of_one_command_apart(tmp_path: Path) ->
     # another key, another database: other servers
     assert default_namespace(argv, {"STRIPE_API_KEY": "sk_b"}, "/") != same
     assert default_namespace(argv, {"STRIPE_API_KEY": "sk_a", "DATABASE_URL": "x"}, "/") != same
+    # "DB" anywhere in the name, as docs/wrap.md says (DB_/_DB only took DBNAME=shop_a and
+    # DBNAME=shop_b for one server: b's calls were answered a's results, found by review)
+    for name in ("DB", "DBNAME", "MYDB", "MONGODB", "DB_NAME", "REDIS_DB"):
+        assert default_namespace(argv, {name: "a"}, "/") != default_namespace(
+            argv, {name: "b"}, "/"
+        ), name
     # a restart in another login session, beside another wrapper's settings: the same one
     session = {"STRIPE_API_KEY": "sk_a", "SSH_AUTH_SOCK": "/tmp/2", "TERM_SESSION_ID": "9"}
     assert default_namespace(argv, {**session, "EFFECTFENCE_TICKET_KEY": "k" * 16}, "/") == same
@@ -1150,14 +1156,16 @@ os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
 """
 
 
+@pytest.mark.parametrize("trigger", ["pass-through call", "ping", "tools/list"])
 @pytest.mark.parametrize("probe", ["own_tool", "sigterm"])
-async def test_a_pass_through_call_to_a_restarting_child_does_not_hold_up_the_relay(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, probe: str
+async def test_a_request_to_a_restarting_child_does_not_hold_up_the_relay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, probe: str, trigger: str
 ) -> None:
-    """The child died and its restart is slow. A pass-through call waits for it in its own
-    task: relayed in the relay's turn, it held up the relay for the whole handshake, so the
-    wrapper's own tools went unanswered and a SIGTERM did not end the wrapper (found by
-    review). The fast path is taken only with the child up."""
+    """The child died and its restart is slow. What waits for it waits aside: relayed in
+    the relay's turn, a pass-through call (and then any other request: a ping, a listing)
+    held up the relay for the whole handshake, so the wrapper's own tools went unanswered
+    and a SIGTERM did not end the wrapper (found by review, twice). The fast path is taken
+    only with the child up, and other messages queue in order for a task of their own."""
     gate = tmp_path / "start_gate"
     script = tmp_path / "gated_start.py"
     script.write_text(_GATED_START)
@@ -1174,11 +1182,22 @@ async def test_a_pass_through_call_to_a_restarting_child_does_not_hold_up_the_re
         async with asyncio.timeout(BOUND):
             while h.proxy.child is not None:
                 await asyncio.sleep(0.01)
-        h.send("tools/call", {"name": "peek", "arguments": {}})  # starts the child again
+        if trigger == "pass-through call":  # starts the child again
+            h.send("tools/call", {"name": "peek", "arguments": {}})
+        else:
+            first = h.send(trigger)
         await _asked(gate)  # the restarted child is not up yet
         if probe == "own_tool":  # needs no child: answered while the restart goes on
             stats = h.send("tools/call", {"name": "effectfence_stats", "arguments": {}})
             assert "passed_through" in text(await h.answer(stats))
+            if trigger != "pass-through call":  # and what waited is sent, in order, once up
+                later = h.send("ping")
+                gate.touch()
+                assert "result" in await h.answer(first)
+                assert (await h.answer(later)).get("result") == {}
+                assert [json.loads(x).get("id") for x in h.out].index(first) < [
+                    json.loads(x).get("id") for x in h.out
+                ].index(later)
             return
         h.proxy.terminate(signal.SIGTERM)
         async with asyncio.timeout(BOUND):
@@ -1189,3 +1208,112 @@ async def test_a_pass_through_call_to_a_restarting_child_does_not_hold_up_the_re
             h.reader.feed_eof()
             async with asyncio.timeout(BOUND):
                 await h.task
+
+
+# -- lines every reader reads as the wrapper does -----------------------------------------------
+
+
+def _charge_line(rid: int, order: int = 1, name: str = "charge") -> bytes:
+    msg = {"name": name, "arguments": {"order": order}}
+    return json.dumps({"jsonrpc": "2.0", "id": rid, "method": "tools/call", "params": msg}).encode()
+
+
+async def test_a_line_break_inside_a_relayed_line_never_splits_it_for_the_child(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """JSON reads a bare CR as whitespace; Python's text streams (the mcp SDK's stdio
+    server's among them) end a line there. A ping carrying a tools/call between two CRs was
+    one ping to the wrapper and a ping, a tools/call and a fragment to the child: the call
+    ran unfenced, and the identical fenced call charged again (found by review). Every line
+    reaches the child whole; LS, PS and NEL (line ends to str.splitlines) inside strings go
+    as escapes."""
+    h = Harness(tmp_path, monkeypatch)
+    await h.start()
+    assert h.proxy.child is not None and h.proxy.child.proc.stdin is not None
+    stdin, to_child = h.proxy.child.proc.stdin, []
+    write = stdin.write
+    monkeypatch.setattr(stdin, "write", lambda data: (to_child.append(data), write(data))[1])
+    smuggled = b'{"jsonrpc":"2.0","id":50,"method":"ping","params":{"x":\r' + _charge_line(51)
+    h.raw(smuggled + b"\r}}")
+    pong = await h.answer(50)
+    assert pong.get("result") == {}, pong
+    inside = {"jsonrpc": "2.0", "id": 53, "method": "ping", "params": {"t": "a\u2028b\u0085"}}
+    h.raw(json.dumps(inside, ensure_ascii=False).encode())
+    assert (await h.answer(53)).get("result") == {}
+    # and in a fenced call's arguments, written again by the wrapper
+    note = {"name": "charge", "arguments": {"order": 2, "note": "x\u2028\u2029y"}}
+    assert text(await h.answer(h.send("tools/call", note))) == "charged"
+    assert all(b"\r" not in line and "\u2028".encode() not in line for line in to_child)
+    assert all("\u0085".encode() not in line for line in to_child)
+    fenced = await h.answer(h.send("tools/call", {"name": "charge", "arguments": {"order": 1}}))
+    assert text(fenced) == "charged" and mark(fenced)["replayed"] is False
+    assert h.ledger() == [note["arguments"], {"order": 1}], "the split-off call ran unfenced"
+    assert await h.stop() == 0
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        # the method twice: a ping to the wrapper (the last), a tools/call to the child
+        b'{"jsonrpc":"2.0","id":60,"method":"tools/call",'
+        b'"params":{"name":"charge","arguments":{"order":1}},"method":"ping"}',
+        # an escaped key: a byte search for "method" misses it
+        b'{"jsonrpc":"2.0","id":60,"m\\u0065thod":"tools/call",'
+        b'"params":{"name":"charge","arguments":{"order":1}},"method":"ping"}',
+        # a response to the wrapper (no method it reads), a request to the child
+        b'{"jsonrpc":"2.0","id":60,"method":"tools/call",'
+        b'"params":{"name":"charge","arguments":{"order":1}},"method":5}',
+        # the tool's name twice: a read-only peek to the wrapper, a charge to the child
+        b'{"jsonrpc":"2.0","id":60,"method":"tools/call",'
+        b'"params":{"name":"charge","arguments":{"order":1},"name":"peek"}}',
+    ],
+)
+async def test_a_key_given_twice_reaches_the_child_as_the_wrapper_read_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, line: bytes
+) -> None:
+    """A key given twice is its last value to the wrapper and its first to some readers:
+    relayed as it came, a line the wrapper judged a ping or a read-only call was a charge
+    to such a child, and ran unfenced (found by review). Such a line is written again from
+    what the wrapper read."""
+    h = Harness(tmp_path, monkeypatch, RAW_FIRST_KEY="1")
+    await h.start()
+    h.raw(line)  # the child reads in order: answered the call after it, it has read this
+    fenced = await h.answer(h.send("tools/call", {"name": "charge", "arguments": {"order": 1}}))
+    assert mark(fenced)["replayed"] is False
+    assert h.ledger() == [{"order": 1}], "a charge reached the child unfenced"
+    assert await h.stop() == 0
+
+
+async def test_a_tools_call_sent_as_a_notification_is_dropped_not_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tools/call without an id is a notification: never answered, but a JSON-RPC server
+    runs it, so relayed it ran unfenced as often as it was sent (found by review)."""
+    h = Harness(tmp_path, monkeypatch, RAW_RUN_NOTIFICATIONS="1")
+    await h.start()
+    note = {"jsonrpc": "2.0", "method": "tools/call", "params": {"name": "charge"}}
+    note["params"] = {"name": "charge", "arguments": {"order": 1}}
+    h.raw(json.dumps(note).encode(), json.dumps(note).encode())
+    fenced = await h.answer(h.send("tools/call", {"name": "charge", "arguments": {"order": 1}}))
+    assert mark(fenced)["replayed"] is False
+    assert h.ledger() == [{"order": 1}]
+    assert h.proxy.stats.refused == 2
+    assert await h.stop() == 0
+
+
+@pytest.mark.parametrize("cursor", ['""', '"again"', "7"])
+async def test_a_tool_listing_that_never_ends_is_read_once_and_the_call_answered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cursor: str
+) -> None:
+    """A next cursor of "" (a struct serialized without omitempty), one repeated, or one
+    that is no string: the wrapper listed for ever and the call that asked waited for ever
+    (found by review: "" asked 67,855 times in 5 s). What is listed is known."""
+    h = Harness(tmp_path, monkeypatch, RAW_NEXT_CURSOR=cursor)
+    await h.start(list_tools=False)
+    _, to_child = _spy_on_child(h, monkeypatch)
+    got = await h.answer(h.send("tools/call", {"name": "charge", "arguments": {"order": 1}}))
+    assert text(got) == "charged" and mark(got)["replayed"] is False
+    listings = [x for x in to_child if b'"tools/list"' in x]
+    assert 1 <= len(listings) <= 2, len(listings)
+    assert h.proxy.tools_known
+    assert await h.stop() == 0

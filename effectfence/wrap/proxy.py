@@ -71,7 +71,7 @@ from effectfence.model import EffectRequest, PreparedEffect
 from effectfence.operator.views import clear_view
 from effectfence.store import default_store_url, is_memory_url
 from effectfence.store.memory import MemoryStore
-from effectfence.wrap.policy import Policy, PolicyError, ToolPolicy
+from effectfence.wrap.policy import Policy, PolicyError, ToolPolicy, check_namespace
 
 __all__ = ["META_KEY", "Proxy", "main"]
 
@@ -88,6 +88,8 @@ LINE_LIMIT = 1 << 26  # 64 MiB: a resource read can be large; one line is one me
 #: nesting the wrapper reads exactly or writes again (see _shallow); deeper lines it only
 #: relays untouched, or refuses
 MAX_DEPTH = 512
+#: pages of a tools/list the wrapper reads before it stops (tools past them are fenced)
+MAX_TOOL_PAGES = 1000
 #: results are recorded, and arguments read, up to this size (the fence's default is 1 MiB:
 #: too small for tools that write files or return tables)
 MAX_RESULT_BYTES = 16 << 20
@@ -206,6 +208,51 @@ def _lenient(line: bytes) -> Any:
         return _UNREADABLE
 
 
+#: bytes some line readers end a line at, though JSON reads them as one line: a bare CR
+#: (whitespace to JSON; a line end to Python's text streams, the mcp SDK's stdio server
+#: among them) and, inside strings only, NEL, LS and PS (line ends to str.splitlines)
+_BREAKS = (
+    (b"\r", b" "),
+    ("\u0085".encode(), b"\\u0085"),
+    ("\u2028".encode(), b"\\u2028"),
+    ("\u2029".encode(), b"\\u2029"),
+)
+
+
+def _one_line(line: bytes) -> bytes:
+    """A line for the child as every reader reads it: one line, ended by its last byte. A
+    CR inside a relayed ping split it in two for the child, and the second half, a
+    tools/call, ran unfenced (found by review); an LS in a fenced call's argument would do
+    the same to a reader that splits as str.splitlines does. Each replacement means what it
+    replaces (whitespace for whitespace, an escape for the character inside a string), so
+    JSON reads the line the same after."""
+    for raw, same in _BREAKS:
+        if raw in line:
+            line = line.replace(raw, same)
+    return line
+
+
+def _unambiguous(line: bytes, msg: Any) -> bool:
+    """Whether any JSON reader reads ``line`` as the wrapper did (``msg``) where it matters:
+    the method of every message, and a tool call's name. A key given twice is read as its
+    last value here and as its first by some readers, and an escaped key (``m\\u0065thod``)
+    is one a byte search misses: either way a line relayed as it came could be a tool call
+    to the child and something else to the wrapper. Then the line is written again from
+    what the wrapper read (found by review)."""
+    if b"\\u" in line:
+        return False
+    if isinstance(msg, dict):
+        members = [msg]
+    elif isinstance(msg, list):
+        members = [m for m in msg if isinstance(m, dict)]
+    else:
+        return True  # no object: nothing in it is a key
+    if line.count(b'"method"') != sum(1 for m in members if "method" in m):
+        return False
+    calls = [m for m in members if m.get("method") == "tools/call"]
+    return not calls or line.count(b'"name"') == len(calls)
+
+
 def _batch_ids(batch: list[Any]) -> tuple[Any, ...]:
     """The ids of a batch's requests (its members with a method and a usable id)."""
     return tuple(
@@ -229,7 +276,7 @@ def _ascii(text: str) -> str:
 #: environment variables that configure a server: its keys and accounts, where its data
 #: lives. Two wrappers of one command that differ in any of these are two servers.
 _CONFIG_ENV = re.compile(
-    r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|URL|URI|DSN|DATABASE|_DB|DB_|ACCOUNT|"
+    r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|URL|URI|DSN|DATABASE|DB|ACCOUNT|"
     r"PROJECT|TENANT|REGION|ENDPOINT|PROFILE|_DIR$|_PATH$|_FILE$",
     re.IGNORECASE,
 )
@@ -355,7 +402,7 @@ class Child:
         if not self.alive or stdin is None or stdin.is_closing():
             raise ChildGone("the server behind the fence is not running")
         try:
-            stdin.write(data)
+            stdin.write(_one_line(data))
         except (BrokenPipeError, ConnectionResetError, RuntimeError) as exc:
             raise ChildGone(f"the pipe to the server broke ({exc})") from exc
 
@@ -449,6 +496,8 @@ class Proxy:
         #: client request ids on their way to a child (it may be starting): id -> how many
         self._sending: dict[Any, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        #: messages waiting for a (re)starting child, in the order they came (_in_order)
+        self._backlog: list[Callable[[], Awaitable[None]]] | None = None
         self.closing = False
         self.fatal: str | None = None
         #: the signal that ended the relay (see terminate), if one did
@@ -673,6 +722,14 @@ class Proxy:
                 None, -32700, "effectfence wrap: parse error: the line is not JSON; not sent on"
             )
             return
+        if not _unambiguous(line, msg):
+            exact = _parse(line, exact=True) if _shallow(line) else _UNREADABLE
+            if exact is _UNREADABLE:
+                self._client_error(
+                    None, -32600, "effectfence wrap: the message is nested too deeply"
+                )
+                return
+            msg, line = exact, _dumps(exact) + b"\n"  # what the wrapper read, and only that
         if isinstance(msg, list) and any(
             isinstance(m, dict) and m.get("method") == "tools/call" for m in msg
         ):
@@ -685,17 +742,24 @@ class Proxy:
             # a batch without tool calls, relayed as it came: the child owes an answer to
             # each of its requests, which is answered for it if it dies first (unrecorded,
             # they went unanswered and their client waited for ever, found by review)
-            await self._forward(line, _batch_ids(msg))
+            await self._relay(line, _batch_ids(msg))
             return
         if not isinstance(msg, dict):
-            await self._forward(line, ())  # the child answers what it can't parse
+            await self._relay(line, ())  # the child answers what it can't parse
             return
         method = msg.get("method")
         if type(method) is not str:  # a response to a server-to-client request
-            await self._forward(line, ())
+            await self._relay(line, ())
             return
         params = msg.get("params")
         if "id" not in msg:
+            if method == "tools/call":
+                # a call sent as a notification: never answered, but a JSON-RPC server runs
+                # it, so relayed it ran unfenced as often as it was sent (found by review).
+                # MCP calls a tool with a request only: dropped, as a batch calling one is
+                _stderr("a tools/call without an id (a notification) was dropped, not run")
+                self.stats.refused += 1
+                return
             if method == "notifications/cancelled" and isinstance(params, dict):
                 if self._cancel(params.get("requestId"), params.get("reason")):
                     return
@@ -709,7 +773,7 @@ class Proxy:
                 self._forget_relayed(params.get("requestId"))  # and relayed as it came
             elif method == "notifications/initialized":
                 self.initialized = True
-            await self._forward(line, (), msg)
+            await self._relay(line, (), msg)
             return
         cid = msg["id"]
         if not _is_id(cid):
@@ -740,7 +804,7 @@ class Proxy:
                     cid, -32600, "effectfence wrap: the request is nested too deeply"
                 )
                 return
-            await self._list_for_client(cid, msg)
+            await self._in_order(lambda: self._list_for_client(cid, msg))
             return
         if method == "initialize":
             self.era = "legacy"
@@ -750,7 +814,43 @@ class Proxy:
                 self._set_agent(info.get("name"))
         elif method == "server/discover":
             self.era = "modern"  # a handshake-era child refuses; the client then initializes
-        await self._forward(line, (cid,), msg)
+        await self._relay(line, (cid,), msg)
+
+    def _child_up(self) -> bool:
+        child = self.child
+        return child is not None and child.alive and child.ready.is_set()
+
+    async def _relay(
+        self, line: bytes, ids: tuple[Any, ...], msg: dict[str, Any] | None = None
+    ) -> None:
+        await self._in_order(lambda: self._forward(line, ids, msg))
+
+    async def _in_order(self, send: Callable[[], Awaitable[None]]) -> None:
+        """Send to the child now when it is up; while it (re)starts, queue it behind what is
+        queued, for one task to send in order. Awaited in the relay's turn, a request that
+        waited for a restart held up everything the client sent after it: the wrapper's
+        own tools, cancels, a termination signal (found by review)."""
+        if self._backlog is None and self._child_up():
+            await send()
+            return
+        if self._backlog is None:
+            self._backlog = [send]
+            self._spawn(self._send_backlog())
+        else:
+            self._backlog.append(send)
+
+    async def _send_backlog(self) -> None:
+        backlog = self._backlog
+        assert backlog is not None
+        try:
+            while backlog:
+                try:
+                    await backlog[0]()
+                except Exception as exc:  # one message must not strand those behind it
+                    _stderr(f"internal error relaying a message: {exc!r}; dropped it")
+                backlog.pop(0)
+        finally:
+            self._backlog = None
 
     def _refuse_batch(self, batch: list[Any]) -> None:
         """A JSON-RPC batch (MCP 2025-03-26 only) that calls a tool: relayed whole, its
@@ -956,7 +1056,7 @@ class Proxy:
             if isinstance(tool, dict) and type(tool.get("name")) is str:
                 self.tools[tool["name"]] = tool.get("annotations")
                 self._listing_names.add(tool["name"])
-        if result.get("nextCursor") is None:
+        if _last_page(result):
             self.tools_known = True
             self._name_own_tools(self._listing_names)
         return tools
@@ -965,7 +1065,7 @@ class Proxy:
         result = msg.get("result")
         if isinstance(result, dict):
             tools = self._note_tools(result, first)
-            if tools is not None and result.get("nextCursor") is None:
+            if tools is not None and _last_page(result):
                 result = {**result, "tools": [*tools, *self._own_tool_defs()]}
                 msg = {**msg, "result": result}
         self.write_client(_line({**msg, "id": cid}))
@@ -987,6 +1087,7 @@ class Proxy:
             return
         cursor: Any = None
         first = True
+        seen: set[str] = set()
         while True:
             params: dict[str, Any] = {}
             if cursor is not None:
@@ -1001,9 +1102,18 @@ class Proxy:
                 self._name_own_tools(set(self.tools))
                 return
             first = False
-            cursor = result.get("nextCursor")
-            if cursor is None:
+            if _last_page(result):
                 return
+            cursor = result["nextCursor"]
+            if cursor in seen or len(seen) >= MAX_TOOL_PAGES:
+                # a cursor met before (or pages past counting) would list for ever, with the
+                # call that asked waiting (found by review: "" asked 67,855 times in 5 s):
+                # what is listed is known, and a tool never listed is fenced
+                _stderr("the server's tool listing does not end; using what it listed")
+                self.tools_known = True
+                self._name_own_tools(self._listing_names)
+                return
+            seen.add(cursor)
 
     def _own_tool_defs(self) -> list[dict[str, Any]]:
         which: dict[str, Any] = {
@@ -1119,6 +1229,7 @@ class Proxy:
             and child is not None
             and child.alive
             and child.ready.is_set()
+            and self._backlog is None  # nothing it would overtake
             and type(name) is str
             and self._own_role(name) is None
             and not self.policy.for_tool(name).fenced(self.tools.get(name))
@@ -1617,6 +1728,13 @@ class Proxy:
         self.offloader.close()
 
 
+def _last_page(result: dict[str, Any]) -> bool:
+    """A listing page with no next one: no cursor, or one no request can carry ("", a
+    number), which some servers send for "no more"."""
+    cursor = result.get("nextCursor")
+    return type(cursor) is not str or not cursor
+
+
 def _record(result: dict[str, Any], cfg: FenceConfig) -> dict[str, Any]:
     """What the fence records of a tool's result: the result, or, where it holds what a
     certificate's canonical JSON cannot (an integer past 2**53, as database ids and
@@ -1750,6 +1868,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("name the server to wrap after --, e.g. -- uvx mcp-server-sqlite")
     try:
         policy = Policy.load(args.policy) if args.policy else Policy()
+        if args.namespace is not None:
+            check_namespace(args.namespace, "--namespace")
     except PolicyError as exc:
         parser.error(str(exc))
     if args.store is not None and not args.store.strip():
