@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from wrap_support import (
 )
 
 from effectfence.wrap.client import StdioClient
-from effectfence.wrap.policy import Policy, PolicyError
+from effectfence.wrap.policy import MAX_NAMESPACE, Policy, PolicyError
 from effectfence.wrap.probe import probe
 
 pytestmark = pytest.mark.anyio
@@ -350,6 +351,35 @@ def test_policy_refuses_typos_and_bad_values(tmp_path: Path) -> None:
     bad.write_text("[defaults\n")
     with pytest.raises(PolicyError, match="not valid TOML"):
         Policy.load(bad)
+    # what no call can satisfy is named at load, not found out by every call being refused
+    # (found by review: each of these loaded, then refused every fenced call at run time)
+    for template, why in (
+        ("{order", "malformed"),
+        ("pay:{}", "positional"),
+        ("pay:{0}", "positional"),
+        ("pay:{0.id}", "positional"),
+        ("pay:}", "malformed"),
+    ):
+        with pytest.raises(PolicyError, match=why):
+            Policy.from_dict({"tools": {"charge": {"domain": template}}})
+    ok = Policy.from_dict({"tools": {"c": {"domain": "pay:{order[0]}:{tool}:{a.b}:{{x}}"}}})
+    assert ok.for_tool("c").domain == "pay:{order[0]}:{tool}:{a.b}:{{x}}"
+    for namespace, why in (
+        ("shop\x00db", "NUL"),
+        ("shop\udcffdb", "surrogate"),
+        ("n" * (MAX_NAMESPACE + 1), "at most"),
+        ("\u00e9" * 60, "at most"),  # 240 characters once escaped, as intents write it
+        ("", "non-empty"),
+    ):
+        with pytest.raises(PolicyError, match=why):
+            Policy.from_dict({"namespace": namespace})
+    assert Policy.from_dict({"namespace": "n" * MAX_NAMESPACE}).namespace == "n" * MAX_NAMESPACE
+    out = subprocess.run(
+        [sys.executable, "-m", "effectfence", "wrap", "--namespace", "n" * 300,
+         "--store", "memory:", "--", sys.executable, "-c", "pass"],
+        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert out.returncode == 2 and "--namespace is 300 characters" in out.stderr
 
 
 # -- one ledger: two wrappers, and a restart ------------------------------------------------------

@@ -22,12 +22,21 @@ Unknown keys are refused with the file and key named: a typo must not silently u
 
 from __future__ import annotations
 
+import re
+import string
 import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_WAIT", "Policy", "PolicyError", "ToolPolicy"]
+__all__ = [
+    "DEFAULT_WAIT",
+    "MAX_NAMESPACE",
+    "Policy",
+    "PolicyError",
+    "ToolPolicy",
+    "check_namespace",
+]
 
 DEFAULT_LEASE_TTL = 30.0
 DEFAULT_RESULT_TTL = 24 * 3600.0
@@ -38,6 +47,10 @@ _ON_ERROR = ("release", "fail")
 _TOOL_KEYS = {"fence", "intent_args", "domain", "lease_ttl", "result_ttl", "wait", "on_error"}
 _DEFAULT_KEYS = _TOOL_KEYS - {"intent_args", "domain"}
 _TOP_KEYS = {"namespace", "defaults", "tools"}
+#: the longest namespace, as intents write it (non-ASCII escaped): an intent is the
+#: namespace, the tool's label (up to 217 characters) and a 40-digit digest, and must fit
+#: a store's 512
+MAX_NAMESPACE = 200
 
 
 class PolicyError(ValueError):
@@ -93,8 +106,8 @@ class Policy:
     def from_dict(cls, data: dict[str, Any], where: str = "policy") -> Policy:
         _only(data, _TOP_KEYS, where)
         namespace = data.get("namespace")
-        if namespace is not None and (type(namespace) is not str or not namespace):
-            raise PolicyError(f"{where}: namespace must be a non-empty string")
+        if namespace is not None:
+            check_namespace(namespace, f"{where}: namespace")
         defaults = _tool(
             data.get("defaults", {}), ToolPolicy(), f"{where} [defaults]", _DEFAULT_KEYS
         )
@@ -106,6 +119,46 @@ class Policy:
             for name, spec in tools_raw.items()
         }
         return cls(namespace, defaults, tools)
+
+
+def check_namespace(value: Any, what: str) -> str:
+    """A namespace every intent can carry. One no store can hold (a NUL, a lone surrogate,
+    too long) was accepted, and every fenced call was then refused at run time, the
+    operator none the wiser until calls failed (found by review)."""
+    if type(value) is not str or not value:
+        raise PolicyError(f"{what} must be a non-empty string")
+    if "\x00" in value:
+        raise PolicyError(f"{what} contains a NUL character, which no store can hold")
+    try:
+        escaped = value.encode("ascii", "backslashreplace").decode()
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise PolicyError(f"{what} is not valid Unicode text (a lone surrogate)") from None
+    if len(escaped) > MAX_NAMESPACE:
+        raise PolicyError(
+            f"{what} is {len(escaped)} characters (non-ASCII escaped); at most {MAX_NAMESPACE}"
+        )
+    return value
+
+
+def _domain_template(template: Any, where: str) -> str:
+    """A template a call's arguments can fill: ``{name}`` fields only. A malformed one, or
+    one with positional fields (``{}``, ``{0}``: nothing fills them), refused every call
+    of its tool at run time (found by review)."""
+    if type(template) is not str or not template:
+        raise PolicyError(f"{where}: domain must be a non-empty template string")
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    except ValueError as exc:
+        raise PolicyError(f"{where}: domain template {template!r} is malformed: {exc}") from None
+    for name in fields:
+        head = re.split(r"[.\[]", name, maxsplit=1)[0]
+        if not head or head.isdigit():
+            raise PolicyError(
+                f"{where}: domain template {template!r} has a positional field "
+                f"{{{name}}}: name an argument, e.g. {{order_id}}, or {{tool}}"
+            )
+    return template
 
 
 def _only(data: Any, allowed: set[str], where: str) -> None:
@@ -136,9 +189,7 @@ def _tool(spec: Any, base: ToolPolicy, where: str, allowed: set[str]) -> ToolPol
             raise PolicyError(f"{where}: intent_args must be a non-empty list of argument names")
         out = replace(out, intent_args=tuple(names))
     if "domain" in spec:
-        if type(spec["domain"]) is not str or not spec["domain"]:
-            raise PolicyError(f"{where}: domain must be a non-empty template string")
-        out = replace(out, domain=spec["domain"])
+        out = replace(out, domain=_domain_template(spec["domain"], where))
     if "lease_ttl" in spec:
         out = replace(out, lease_ttl=_seconds(spec["lease_ttl"], "lease_ttl", where))
     if "wait" in spec:
