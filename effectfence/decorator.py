@@ -44,7 +44,9 @@ def _renderer(template: Template, what: str) -> Callable[[dict[str, Any]], str]:
     def render(bound: dict[str, Any]) -> str:
         try:
             return fmt(**bound)
-        except (KeyError, IndexError, AttributeError) as exc:
+        except (KeyError, IndexError, AttributeError, ValueError, TypeError) as exc:
+            # ValueError, TypeError: a format spec the value does not take ({order:05d}
+            # given "12" or None), which escaped untyped (found by review)
             raise InvalidRequest(f"{what} template {template!r} can't be filled: {exc}") from exc
 
     return render

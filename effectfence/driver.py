@@ -354,12 +354,16 @@ async def run_async(
             hand = _Handoff(gen, advance)
             try:
                 got: tuple[bool, Any] = await off_loop(hand.run, how, value)
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, GeneratorExit) as exc:
                 # the step goes on in its thread; what it leaves held (an admission nobody
-                # will act on) is let go by whichever comes last: the step, or this
+                # will act on) is let go by whichever comes last: the step, or this. A
+                # coroutine being closed can await nothing more: it settles here and now
                 done = hand.leave()
                 if done is not None:
-                    _settle_later(off_loop, gen, done)
+                    if isinstance(exc, GeneratorExit):
+                        _settle(gen, done)
+                    else:
+                        _settle_later(off_loop, gen, done)
                 raise
             return got
 
@@ -379,6 +383,15 @@ async def run_async(
             task = _renew_in_task(fence, instr.ticket, instr.renew_every, off_loop)
             try:
                 result = await effect(instr.ticket)
+            except GeneratorExit:
+                # the coroutine is closed mid-effect (its loop closed, the collector finalizing
+                # a dropped task): it can await nothing more, so the effect is settled here,
+                # now, in this thread, as run_sync would. Left to _conclude's awaits it was
+                # left in flight, and a takeover ran it again (found by review)
+                with contextlib.suppress(RuntimeError):  # a closed loop's task can't cancel
+                    _stop_task(task)
+                gen.close()
+                raise
             except BaseException as exc:
                 _stop_task(task)
                 return await _conclude(step, "throw", exc, inline=off_loop is None)
@@ -515,8 +528,14 @@ async def _wait_in_thread(fence: EffectFence, intent: str, timeout: float) -> No
 
 
 def _renew_in_thread(
-    fence: EffectFence, ticket: PreparedEffect, every: float | None
+    fence: EffectFence,
+    ticket: PreparedEffect,
+    every: float | None,
+    loop: asyncio.AbstractEventLoop | None = None,
 ) -> threading.Event | None:
+    """Renew from a thread until ``stop`` is set; for an effect on ``loop``, also once that
+    loop is closed: its effect can never go on, and renewed for ever its intent stayed in
+    flight for ever (found by review)."""
     if every is None:
         return None
     stop = threading.Event()
@@ -524,6 +543,8 @@ def _renew_in_thread(
     def beat() -> None:
         pause = every
         while not stop.wait(pause):
+            if loop is not None and loop.is_closed():
+                return
             try:
                 fence.renew(ticket)
                 pause = every
@@ -564,7 +585,7 @@ def _renew_in_task(
         # queued behind the effects' own blocking calls (to_thread) that had filled it,
         # and leases lapsed mid-effect (found by review). An Offloader's threads run
         # store steps only: no effect can fill them.
-        return _renew_in_thread(fence, ticket, every)
+        return _renew_in_thread(fence, ticket, every, asyncio.get_running_loop())
     period = every
 
     async def beat() -> None:

@@ -410,7 +410,10 @@ class driving:
 
     def __exit__(self, *exc: object) -> None:
         self._attempt.live = False
-        _DRIVING.reset(self._token)
+        # a coroutine finalized by the collector exits in whatever context that runs in,
+        # where the token is not valid (ValueError); its own context dies with it anyway
+        with contextlib.suppress(ValueError):
+            _DRIVING.reset(self._token)
 
 
 _HOLDS_LOCK = threading.Lock()

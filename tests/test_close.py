@@ -363,3 +363,164 @@ def test_a_task_started_inside_an_attempt_does_not_carry_its_mark_after_it(
 
     asyncio.run(main())
     assert _state(path, "b:2") is State.DONE
+
+
+# -- a coroutine closed mid-effect, a loop closed under it, a signal inside a step --------------
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+def test_an_async_effect_whose_coroutine_is_closed_mid_run_is_fenced(
+    kind: str, tmp_path: Path
+) -> None:
+    """A task dropped with its loop, then finalized by the collector, is closed: GeneratorExit
+    at the effect's await. On a shared store (steps offloaded) what followed awaited, which
+    a closing coroutine cannot: the intent stayed in flight with its hold, close() waited,
+    and once the lease lapsed an identical call ran the effect again (found by review). It
+    is settled at once, as on the memory store: fenced as failed (G9)."""
+    import contextlib
+    import gc
+    import warnings
+
+    from support import FakeClock
+
+    from effectfence.errors import IntentFailed
+
+    asyncio.set_event_loop_policy(None)  # a fresh program: no loop set in this thread
+    clock = FakeClock()
+    if kind == "sqlite":
+        store = SQLiteStore(str(tmp_path / "g.db"), clock=clock)
+        fence = EffectFence(FenceConfig(lease_ttl=5.0, auto_sweep=False), store=store)
+    else:
+        fence = EffectFence(FenceConfig(lease_ttl=5.0, auto_sweep=False, clock=clock))
+    runs: list[int] = []
+    block = [True]
+
+    @fenced(fence, intent="charge:{order}", domain="order:{order}")
+    async def charge(order: int) -> str:
+        runs.append(order)  # the effect has begun: money may have moved
+        if block[0]:
+            await asyncio.Event().wait()
+        return "ch_1"
+
+    loop = asyncio.new_event_loop()
+    keep: list[asyncio.Task[Any]] = []
+
+    async def main() -> None:
+        keep.append(asyncio.ensure_future(charge(1)))
+        while not runs:
+            await asyncio.sleep(0)
+
+    try:
+        loop.run_until_complete(main())
+        loop.close()
+        coro = keep.pop().get_coro()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with contextlib.suppress(BaseException):
+                coro.close()  # what the collector does to a dropped pending task's coroutine
+            del coro
+            gc.collect()
+        assert fence.intent_status("charge:1").state == "failed"
+        assert fence._holds._n == 0
+        clock.advance(10.0)  # past the lease
+        block[0] = False
+        with pytest.raises(IntentFailed):
+            asyncio.run(charge(1))
+        assert runs == [1]
+    finally:
+        asyncio.set_event_loop_policy(None)
+        fence.close()
+
+
+def test_renewal_ends_once_the_loop_running_the_effect_is_closed(tmp_path: Path) -> None:
+    """Renewed from a thread (an async @fenced on a shared store), a lease outlived the loop
+    its effect ran on: closed without cancelling the task, nothing could resume the effect,
+    yet the lease was renewed until the process exited (found by review)."""
+    import contextlib
+    import warnings
+
+    renewals: list[float] = []
+    more = threading.Event()
+
+    class Counting(SQLiteStore):
+        def renew(self, *a: Any, **kw: Any) -> Any:
+            out = super().renew(*a, **kw)
+            renewals.append(time.monotonic())
+            if closed_at and len([t for t in renewals if t > closed_at[0]]) >= 3:
+                more.set()
+            return out
+
+    closed_at: list[float] = []
+    fence = EffectFence(
+        FenceConfig(lease_ttl=5.0, auto_sweep=False), store=Counting(str(tmp_path / "f.db"))
+    )
+    started = threading.Event()
+
+    @fenced(fence, intent="charge:{order}", domain="order:{order}", renew_every=0.05)
+    async def charge(order: int) -> str:
+        started.set()
+        await asyncio.Event().wait()  # a long effect
+        return "ch_1"
+
+    loop = asyncio.new_event_loop()
+    keep: list[asyncio.Task[Any]] = []
+
+    async def main() -> None:
+        keep.append(asyncio.ensure_future(charge(1)))  # a background task, referenced
+        while not started.is_set() or not renewals:
+            await asyncio.sleep(0.01)
+
+    loop.run_until_complete(main())
+    loop.close()  # the effect's task never runs again
+    closed_at.append(time.monotonic())
+    renewed_on = more.wait(2.0)  # three renewals come in 0.15 s when nothing stops them
+    with warnings.catch_warnings(), contextlib.suppress(BaseException):
+        warnings.simplefilter("ignore")
+        keep[0].get_coro().close()
+    fence.close()
+    assert not renewed_on, "the lease of an effect whose loop is closed was renewed on"
+
+
+def test_a_sigterm_handlers_close_inside_a_sqlite_step_does_not_hang(tmp_path: Path) -> None:
+    """close() is safe from a signal handler, which runs in the thread it interrupts. With
+    no effect in hand it closes the store at once, and the SQLite store's close took the
+    lock a step holds while it hands its connection back: a SIGTERM landing there
+    deadlocked the thread on itself (found by review). A real signal, in a process of its
+    own, raised inside that section."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        f"""
+        import signal
+        from effectfence import EffectFence, FenceConfig, StoreUnavailable
+        from effectfence.store.sqlite import SQLiteStore
+        store = SQLiteStore({str(tmp_path / "sig.db")!r})
+        fence = EffectFence(FenceConfig(lease_ttl=30.0, auto_sweep=False), store=store)
+        signal.signal(signal.SIGTERM, lambda *a: fence.close())
+        fence.intent_status("x")
+
+        class Free(list):
+            fired = False
+            def append(self, conn):
+                if not Free.fired:
+                    Free.fired = True
+                    signal.raise_signal(signal.SIGTERM)  # lands here: the pool's lock held
+                super().append(conn)
+
+        store._free = Free(store._free)
+        fence.intent_status("y")  # a read not cached: takes a connection, hands it back
+        try:
+            fence.intent_status("z")
+        except StoreUnavailable:
+            print("closed cleanly")
+        """
+    )
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("the process hung: a SIGTERM handler's fence.close() deadlocked")
+    assert "closed cleanly" in out.stdout, out.stderr

@@ -322,3 +322,19 @@ def test_args_that_is_not_a_function_is_refused_when_decorating(fence: EffectFen
     "'tuple' object is not callable" (found by review)."""
     with pytest.raises(TypeError, match="args must be a callable"):
         fenced(fence, intent="i:{x}", domain="d", args=("x",))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", ["12", None, 1.5])
+def test_a_template_whose_format_spec_the_value_does_not_take_is_refused_typed(
+    value: Any,
+) -> None:
+    """{order:05d} given "12" or None raised ValueError / TypeError, untyped (review)."""
+    fence = EffectFence()
+
+    @fenced(fence, intent="charge:{order:05d}", domain="order:{order}")
+    def charge(order: Any) -> int:
+        return 1
+
+    with pytest.raises(InvalidRequest, match="can't be filled"):
+        charge(value)
+    assert charge(12) == 1

@@ -893,3 +893,13 @@ def test_a_poisoned_head_is_still_refused_before_the_effect_runs(fence: EffectFe
     assert fence.intent_status("alice:1").state == "absent"
     assert fence.stats()["prepare"]["invalid_request"] == before + 1
     assert fence.request("alice:1", "elsewhere", "t", {}, "alice").fresh
+
+
+@pytest.mark.parametrize("url", [None, 5, b"memory:"])
+def test_from_url_refuses_what_is_not_a_url_typed(url: Any) -> None:
+    """from_url(None) raised AttributeError (the memory check ran .strip() on it), before
+    open_store could refuse it typed (found by review)."""
+    from effectfence.store import StoreURLError
+
+    with pytest.raises(StoreURLError):
+        EffectFence.from_url(url)

@@ -51,7 +51,9 @@ SCHEMES: dict[str, tuple[str, str]] = {
 def is_memory_url(url: str) -> bool:
     """Whether a URL names the in-process store (``memory:``): nothing to open, create or
     share, so callers build a plain fence for it."""
-    return url.strip().lower() in ("memory", "memory:", "memory://")
+    # not a str: not this store's, and open_store refuses it typed (from_url(None) raised
+    # AttributeError here, found by review)
+    return type(url) is str and url.strip().lower() in ("memory", "memory:", "memory://")
 
 
 class StoreURLError(ValueError):

@@ -648,7 +648,9 @@ class SQLiteStore(FenceStore):
             self._boot = boot_id
         self._free: list[sqlite3.Connection] = []
         self._all: list[sqlite3.Connection] = []
-        self._all_lock = _fork.lock()
+        # reentrant: close() from a signal handler may interrupt a step of this thread that
+        # holds it (handing its connection back), which a plain lock deadlocked (review)
+        self._all_lock = _fork.rlock()
         self._fork = _fork.generation()
         self._closed = False
         self._certs = CertCache(_CERT_CACHE)
@@ -773,6 +775,8 @@ class SQLiteStore(FenceStore):
     def _acquire(self) -> sqlite3.Connection:
         if self._fork != _fork.generation():
             self._forked()
+        if self._closed:  # a connection handed back as close() ran is never used again
+            raise StoreUnavailable(f"the SQLite store {self.path} is closed", path=self.path)
         try:
             return self._free.pop()
         except IndexError:
