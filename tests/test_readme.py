@@ -47,3 +47,16 @@ def test_relative_links_lead_somewhere(doc: Path) -> None:
     local = [t for t in targets if "://" not in t and not t.startswith("mailto:")]
     missing = [t for t in local if not (doc.parent / t).exists()]
     assert not missing, f"{doc.name} links to missing files: {missing}"
+
+
+def test_figures_the_docs_quote_are_the_codes() -> None:
+    """Numbers the docs state that are constants, not measurements: read from the code, so
+    a change to one fails here until the docs say it too (found by review: the PostgreSQL
+    page showed schema version 6 at 8, wrap's page a depth of 512 at 256)."""
+    from effectfence.cert import MAX_PAYLOAD_DEPTH
+    from effectfence.store.postgres import SCHEMA_VERSION
+
+    pg = (ROOT / "docs" / "stores-postgres.md").read_text()
+    assert re.findall(r"store_schema_version\s+(\d+)", pg) == [str(SCHEMA_VERSION)]
+    wrap = (ROOT / "docs" / "wrap.md").read_text()
+    assert f"nested up to {MAX_PAYLOAD_DEPTH} deep" in wrap

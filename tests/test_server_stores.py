@@ -1712,6 +1712,23 @@ def test_client_clock_jumps_can_neither_steal_nor_keep_a_lease(
     other.close()
 
 
+def test_a_url_is_shown_as_it_was_given_but_its_password() -> None:
+    """urlunsplit dropped the empty host of an absolute SQLite path: `info` said "no store at
+    sqlite://tmp/x.db", a relative path, for sqlite:////tmp/x.db (found by review)."""
+    from effectfence.store import mask_url, redact
+
+    for url in (
+        "sqlite:////tmp/x/new.db",
+        "sqlite:///rel/new.db?synchronous=normal",
+        "postgresql://fence@db.internal:5432/app?schema=s#frag",
+        "redis://127.0.0.1:6379/0",
+    ):
+        assert mask_url(url) == url and redact(url) == url
+    assert mask_url("postgresql://u:pw@h/db?password=x&schema=s") == (
+        "postgresql://u:***@h/db?password=***&schema=s"
+    )
+
+
 @pytest.mark.parametrize("kind", ["pg", "redis"])
 def test_a_password_in_the_query_is_never_shown(kind: str) -> None:
     """libpq and redis-py take ``?password=``: it was shown in full by ``info``,

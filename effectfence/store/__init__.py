@@ -12,7 +12,7 @@ import re
 import sys
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, unquote, urlsplit, urlunsplit
+from urllib.parse import quote, unquote, urlsplit
 
 from effectfence.store.base import FenceStore, Head, Outcome, Step, StoreMissing
 from effectfence.store.memory import MemoryStore
@@ -144,7 +144,14 @@ def mask_url(url: str) -> str:
     for piece in parts.query.split("&") if parts.query else ():
         key, eq, _ = piece.partition("=")
         pieces.append(f"{key}=***" if eq and _SECRET_KEY.search(unquote(key)) else piece)
-    return urlunsplit((parts.scheme, netloc, parts.path, "&".join(pieces), parts.fragment))
+    # put back by hand: urlunsplit drops the empty host of sqlite:////abs/path, showing a
+    # relative path (sqlite://abs/path) for the absolute one (found by review)
+    shown = f"{parts.scheme}://{netloc}{parts.path}"
+    if pieces:
+        shown += "?" + "&".join(pieces)
+    if parts.fragment:
+        shown += "#" + parts.fragment
+    return shown
 
 
 def redact(url: str) -> str:
