@@ -1317,3 +1317,26 @@ async def test_a_tool_listing_that_never_ends_is_read_once_and_the_call_answered
     assert 1 <= len(listings) <= 2, len(listings)
     assert h.proxy.tools_known
     assert await h.stop() == 0
+
+
+@pytest.mark.parametrize("form", ["batch", "method"])
+async def test_an_answer_to_the_wrappers_own_request_in_an_odd_form_ends_the_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, form: str
+) -> None:
+    """The child answered a fenced call inside a batch, or with a method named: the answer
+    was relayed to a client that never used that id, and the call waited for ever, its
+    lease renewed (found by review). An answer in a batch is read as if it came alone; one
+    naming a method is no answer, so nobody knows whether it ran: fenced, and said so."""
+    h = Harness(tmp_path, monkeypatch, RAW_ANSWER_FORM=form)
+    await h.start()
+    got = await h.answer(h.send("tools/call", {"name": "charge", "arguments": {"order": 1}}))
+    if form == "batch":
+        assert text(got) == "charged" and mark(got)["replayed"] is False
+        again = await h.answer(h.send("tools/call", {"name": "charge", "arguments": {"order": 1}}))
+        assert mark(again)["replayed"] is True
+    else:
+        assert got["result"]["isError"] is True and mark(got)["outcome"] == "unknown"
+        assert "nobody knows" in text(got)
+    assert h.ledger() == [{"order": 1}]
+    assert not any(h.proxy._own_prefix.encode() in line for line in h.out)
+    assert await h.stop() == 0

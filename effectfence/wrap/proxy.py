@@ -983,36 +983,44 @@ class Proxy:
                 return
         if isinstance(msg, dict) and "method" not in msg:
             rid = msg.get("id")
-            if type(rid) is str and rid.startswith(self._own_prefix):
+            if self._is_own(rid):
                 # an answer the wrapper records or reads, and writes again
                 if garbled:
-                    msg = _UNREADABLE
+                    exact = _UNREADABLE
                 else:
-                    msg = _parse(line, exact=True) if _shallow(line) else _UNREADABLE
-                listing = child.listings.pop(rid, None) if child is not None else None
-                # left in pending for its requester to take (child_request's finally): a
-                # cancel handled before it resumes must see that the answer is in
-                fut = child.pending.get(rid) if child is not None else None
-                if msg is _UNREADABLE:  # not UTF-8, or nested past what the parser reads
-                    why = (
-                        "the server's answer is not valid UTF-8 JSON"
-                        if garbled
-                        else "the server's answer is nested too deeply to read"
-                    )
-                    if listing is not None:
-                        self._client_error(listing[0], -32603, f"effectfence wrap: {why}")
-                    elif fut is not None and not fut.done():
-                        fut.set_exception(ChildGone(why))  # an unreadable answer: unknown
-                    return
-                if listing is not None:
-                    self._listed(listing[0], listing[1], msg)
-                    return
-                if fut is not None and not fut.done():
-                    fut.set_result(msg)
-                return  # an answer nobody waits for any more (a cancelled call)
+                    exact = _parse(line, exact=True) if _shallow(line) else _UNREADABLE
+                why = (
+                    "the server's answer is not valid UTF-8 JSON"
+                    if garbled
+                    else "the server's answer is nested too deeply to read"
+                )
+                self._own_answer(child, rid, exact, why)
+                return
             if _is_id(rid) and child is not None:
                 child.relayed.discard(rid)
+        elif isinstance(msg, dict) and self._is_own(msg.get("id")):
+            # one of the wrapper's own ids on a message with a method: no answer a server
+            # sends. Relayed, the client met an id it never used, and the call waited for ever
+            # with its lease renewed (found by review): whether it ran, nobody knows
+            why = "the server's answer to it was malformed (it names a method)"
+            self._own_answer(child, msg["id"], _UNREADABLE, why)
+            return
         elif isinstance(msg, list) and child is not None:  # a batch's answers
+            own = [m for m in msg if isinstance(m, dict) and self._is_own(m.get("id"))]
+            if own:
+                # the wrapper sends no batches: an answer of its own inside one is taken out
+                # and read as if it came alone (found by review: it waited for ever)
+                exact = _parse(line, exact=True) if not garbled and _shallow(line) else None
+                for m in exact if isinstance(exact, list) else own:
+                    if isinstance(m, dict) and self._is_own(m.get("id")):
+                        why = "the server's answer to it came in a batch it could not read"
+                        ok = isinstance(exact, list) and "method" not in m
+                        self._own_answer(child, m["id"], m if ok else _UNREADABLE, why)
+                msg = [m for m in msg if not (isinstance(m, dict) and self._is_own(m.get("id")))]
+                if not msg:
+                    return
+                line = _dumps(msg) + b"\n"  # the rest, for the client
+                garbled = False
             child.relayed.difference_update(
                 m["id"]
                 for m in msg
@@ -1023,6 +1031,29 @@ class Proxy:
         if garbled:
             _stderr("the server wrote a line that is not valid UTF-8; relayed it as it came")
         self.write_client(line)  # byte for byte: a lenient client may read it
+
+    def _is_own(self, rid: Any) -> TypeGuard[str]:
+        return type(rid) is str and rid.startswith(self._own_prefix)
+
+    def _own_answer(self, child: Child | None, rid: str, msg: Any, why: str) -> None:
+        """The child's answer to one of the wrapper's own requests (``msg``, or
+        :data:`_UNREADABLE` with ``why``): to the listing or the call waiting for it."""
+        listing = child.listings.pop(rid, None) if child is not None else None
+        # left in pending for its requester to take (child_request's finally): a cancel
+        # handled before it resumes must see that the answer is in
+        fut = child.pending.get(rid) if child is not None else None
+        if msg is _UNREADABLE:
+            if listing is not None:
+                self._client_error(listing[0], -32603, f"effectfence wrap: {why}")
+            elif fut is not None and not fut.done():
+                fut.set_exception(ChildGone(why))  # an unreadable answer: outcome unknown
+            return
+        if listing is not None:
+            self._listed(listing[0], listing[1], msg)
+            return
+        if fut is not None and not fut.done():
+            fut.set_result(msg)
+        # else: an answer nobody waits for any more (a cancelled call)
 
     def _client_error(self, cid: Any, code: int, message: str) -> None:
         self.write_client(
