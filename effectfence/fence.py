@@ -1127,8 +1127,9 @@ class EffectFence:
     def clear_intent(self, intent: str) -> bool:
         """The library's one-argument reconcile: any state -> ABSENT, as documented since the
         first release, live leases included. Recorded in the audit trail like every clear
-        (who ``library``, a reason saying none was given, forced when it broke a live lease). Operators use :meth:`clear`, which asks
-        for a reason and refuses a live lease unless forced. True if something was cleared."""
+        (who ``library``, a reason saying none was given, forced when it broke a live
+        lease). Operators use :meth:`clear`, which asks for a reason and refuses a live lease
+        unless forced. True if something was cleared."""
         return (
             self.clear(intent, reason=LIBRARY_CLEAR_REASON, who=LIBRARY_CLEARER, force=True)
             is not None

@@ -524,3 +524,33 @@ def test_a_sigterm_handlers_close_inside_a_sqlite_step_does_not_hang(tmp_path: P
     except subprocess.TimeoutExpired:
         pytest.fail("the process hung: a SIGTERM handler's fence.close() deadlocked")
     assert "closed cleanly" in out.stdout, out.stderr
+
+
+def test_a_connection_handed_back_as_a_signal_handler_closes_the_store_is_closed(
+    tmp_path: Path,
+) -> None:
+    """With the pool's lock reentrant, close() from a signal handler can run inside a step's
+    hand-back, between its check and its append: the connection joined a list close() had
+    drained already, and stayed open (found by review). The interrupt is where the test's
+    list puts it."""
+    import sqlite3
+
+    store = SQLiteStore(str(tmp_path / "f.db"))
+    conn = store._acquire()
+
+    class Interrupted(list[sqlite3.Connection]):
+        fired = False
+
+        def append(self, item: sqlite3.Connection) -> None:
+            if not Interrupted.fired:  # the handler runs here: past the check, before this
+                Interrupted.fired = True
+                store.close()
+            super().append(item)
+
+    store._free = Interrupted(store._free)
+    store._release(conn)
+    assert store._closed
+    with pytest.raises(sqlite3.ProgrammingError):
+        conn.execute("SELECT 1")  # closed with its store
+    with pytest.raises(StoreUnavailable):
+        store._acquire()

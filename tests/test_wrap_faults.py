@@ -1156,6 +1156,28 @@ os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
 """
 
 
+def _gated_restarts(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Harness, Path]:
+    """A harness whose child, once restarted, comes up only when the test touches the gate."""
+    gate = tmp / "start_gate"
+    script = tmp / "gated_start.py"
+    script.write_text(_GATED_START)
+    h = Harness(
+        tmp,
+        monkeypatch,
+        child=[sys.executable, str(script), *CHILD[1:]],
+        GATED_STARTS=str(tmp / "gated_starts"),
+        GATED_START_GATE=str(gate),
+    )
+    return h, gate
+
+
+async def _its_child_dies(h: Harness) -> None:
+    h.send("tools/call", {"name": "die", "arguments": {}})  # read-only: relayed; it exits
+    async with asyncio.timeout(BOUND):
+        while h.proxy.child is not None:
+            await asyncio.sleep(0.01)
+
+
 @pytest.mark.parametrize("trigger", ["pass-through call", "ping", "tools/list"])
 @pytest.mark.parametrize("probe", ["own_tool", "sigterm"])
 async def test_a_request_to_a_restarting_child_does_not_hold_up_the_relay(
@@ -1166,22 +1188,10 @@ async def test_a_request_to_a_restarting_child_does_not_hold_up_the_relay(
     held up the relay for the whole handshake, so the wrapper's own tools went unanswered
     and a SIGTERM did not end the wrapper (found by review, twice). The fast path is taken
     only with the child up, and other messages queue in order for a task of their own."""
-    gate = tmp_path / "start_gate"
-    script = tmp_path / "gated_start.py"
-    script.write_text(_GATED_START)
-    h = Harness(
-        tmp_path,
-        monkeypatch,
-        child=[sys.executable, str(script), *CHILD[1:]],
-        GATED_STARTS=str(tmp_path / "gated_starts"),
-        GATED_START_GATE=str(gate),
-    )
+    h, gate = _gated_restarts(tmp_path, monkeypatch)
     try:
         await h.start()
-        h.send("tools/call", {"name": "die", "arguments": {}})  # read-only: relayed; it exits
-        async with asyncio.timeout(BOUND):
-            while h.proxy.child is not None:
-                await asyncio.sleep(0.01)
+        await _its_child_dies(h)
         if trigger == "pass-through call":  # starts the child again
             h.send("tools/call", {"name": "peek", "arguments": {}})
         else:
@@ -1251,36 +1261,70 @@ async def test_a_line_break_inside_a_relayed_line_never_splits_it_for_the_child(
     assert await h.stop() == 0
 
 
+_CALL = b'"params":{"name":"charge","arguments":{"order":1}}'
+
+
 @pytest.mark.parametrize(
-    "line",
+    "reader, line",
     [
         # the method twice: a ping to the wrapper (the last), a tools/call to the child
-        b'{"jsonrpc":"2.0","id":60,"method":"tools/call",'
-        b'"params":{"name":"charge","arguments":{"order":1}},"method":"ping"}',
+        (
+            "first",
+            b'{"jsonrpc":"2.0","id":60,"method":"tools/call",' + _CALL + b',"method":"ping"}',
+        ),
         # an escaped key: a byte search for "method" misses it
-        b'{"jsonrpc":"2.0","id":60,"m\\u0065thod":"tools/call",'
-        b'"params":{"name":"charge","arguments":{"order":1}},"method":"ping"}',
+        (
+            "first",
+            b'{"jsonrpc":"2.0","id":60,"m\\u0065thod":"tools/call",' + _CALL + b',"method":"ping"}',
+        ),
         # a response to the wrapper (no method it reads), a request to the child
-        b'{"jsonrpc":"2.0","id":60,"method":"tools/call",'
-        b'"params":{"name":"charge","arguments":{"order":1}},"method":5}',
+        ("first", b'{"jsonrpc":"2.0","id":60,"method":"tools/call",' + _CALL + b',"method":5}'),
         # the tool's name twice: a read-only peek to the wrapper, a charge to the child
-        b'{"jsonrpc":"2.0","id":60,"method":"tools/call",'
-        b'"params":{"name":"charge","arguments":{"order":1},"name":"peek"}}',
+        (
+            "first",
+            b'{"jsonrpc":"2.0","id":60,"method":"tools/call",'
+            b'"params":{"name":"charge","arguments":{"order":1},"name":"peek"}}',
+        ),
+        # params twice, the last without a name
+        ("first", b'{"jsonrpc":"2.0","id":60,"method":"tools/call",' + _CALL + b',"params":{}}'),
+        # keys in another case, or folding to a field (the long s): one to Go's reader
+        ("fold", b'{"jsonrpc":"2.0","id":60,"method":"ping","Method":"tools/call",' + _CALL + b"}"),
+        (
+            "fold",
+            b'{"jsonrpc":"2.0","id":60,"method":"tools/call",'
+            b'"params":{"name":"peek","Name":"charge","arguments":{"order":1}}}',
+        ),
+        (
+            "fold",
+            '{"jsonrpc":"2.0","id":60,"method":"tools/call","params":{"name":"peek"},'
+            '"param\u017f":{"name":"charge","arguments":{"order":1}}}'.encode(),
+        ),
+        (
+            "fold",
+            b'{"jsonrpc":"2.0","id":60,"method":"tools/call",'
+            b'"params":{"name":"charge","arguments":{"order":2},"Arguments":{"order":1}}}',
+        ),
+        ("fold", b'{"jsonrpc":"2.0","ID":60,"METHOD":"tools/call",' + _CALL + b"}"),
     ],
 )
-async def test_a_key_given_twice_reaches_the_child_as_the_wrapper_read_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, line: bytes
+async def test_a_line_json_readers_read_differently_is_refused_never_relayed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reader: str, line: bytes
 ) -> None:
-    """A key given twice is its last value to the wrapper and its first to some readers:
-    relayed as it came, a line the wrapper judged a ping or a read-only call was a charge
-    to such a child, and ran unfenced (found by review). Such a line is written again from
-    what the wrapper read."""
-    h = Harness(tmp_path, monkeypatch, RAW_FIRST_KEY="1")
+    """A key given twice is its last value to the wrapper and its first to some readers;
+    keys alike but for case (or Unicode folding) are one key to Go's encoding/json, as is
+    a key that folds to a field (CVE-2026-27896 against the Go SDK). Relayed, a line the
+    wrapper judged a ping, a response or a read-only call was a charge to such a child,
+    run unfenced; written again, the folded key went with it (found by review, twice). The
+    line is refused, and nothing reaches the child."""
+    env = {"RAW_FIRST_KEY": "1"} if reader == "first" else {"RAW_FOLD_KEYS": "1"}
+    h = Harness(tmp_path, monkeypatch, **env)
     await h.start()
-    h.raw(line)  # the child reads in order: answered the call after it, it has read this
+    h.raw(line)
     fenced = await h.answer(h.send("tools/call", {"name": "charge", "arguments": {"order": 1}}))
     assert mark(fenced)["replayed"] is False
     assert h.ledger() == [{"order": 1}], "a charge reached the child unfenced"
+    refused = [json.loads(x) for x in h.out if b"ambiguous" in x]
+    assert len(refused) == 1 and refused[0]["error"]["code"] == -32600, h.out[-3:]
     assert await h.stop() == 0
 
 
@@ -1339,4 +1383,43 @@ async def test_an_answer_to_the_wrappers_own_request_in_an_odd_form_ends_the_wai
         assert "nobody knows" in text(got)
     assert h.ledger() == [{"order": 1}]
     assert not any(h.proxy._own_prefix.encode() in line for line in h.out)
+    assert await h.stop() == 0
+
+
+async def test_a_cancel_of_a_request_waiting_for_the_restarted_child_drops_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A listing queued while the child restarts went out under an id of the wrapper's own,
+    which its cancel, relayed under the client's, never reached: the cancelled listing was
+    answered (found by review). A cancel of a request still queued drops it unsent."""
+    h, gate = _gated_restarts(tmp_path, monkeypatch)
+    await h.start()
+    await _its_child_dies(h)
+    first = h.send("ping")  # starts the child again: being sent, it goes on
+    listing = h.send("tools/list")
+    queued = h.send("hold")
+    await _asked(gate)  # the restarted child is not up yet
+    for rid in (listing, queued):
+        cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled"}
+        h.raw(json.dumps({**cancel, "params": {"requestId": rid}}).encode())
+    later = h.send("ping")
+    gate.touch()
+    assert (await h.answer(first)).get("result") == {}
+    assert (await h.answer(later)).get("result") == {}
+    ids = [json.loads(x).get("id") for x in h.out]
+    assert listing not in ids and queued not in ids, "a cancelled request was answered"
+    assert await h.stop() == 0
+
+
+async def test_a_tools_call_whose_name_the_wrapper_cannot_read_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call without a string name was relayed as it came, for the child to make of it
+    what it would (found by review): refused, -32602, and nothing reaches the child."""
+    h = Harness(tmp_path, monkeypatch, RAW_FOLD_KEYS="1")
+    await h.start()
+    for params in ({"name": 5, "arguments": {"order": 1}}, {"arguments": {"order": 1}}, []):
+        rid = h.send("tools/call", params)  # type: ignore[arg-type]
+        assert (await h.answer(rid))["error"]["code"] == -32602
+    assert h.ledger() == []
     assert await h.stop() == 0

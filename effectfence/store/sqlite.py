@@ -827,7 +827,10 @@ class SQLiteStore(FenceStore):
         with self._all_lock:
             if not self._closed:
                 self._free.append(conn)
-                return
+                if not self._closed:
+                    return
+                # close() ran in between, from a signal handler in this very thread (the
+                # lock is reentrant): it drained the list before this one joined it
         self._drop(conn)
 
     def _write(self, op: str, body: Callable[..., Any], *args: Any) -> Any:

@@ -232,25 +232,56 @@ def _one_line(line: bytes) -> bytes:
     return line
 
 
-def _unambiguous(line: bytes, msg: Any) -> bool:
-    """Whether any JSON reader reads ``line`` as the wrapper did (``msg``) where it matters:
-    the method of every message, and a tool call's name. A key given twice is read as its
-    last value here and as its first by some readers, and an escaped key (``m\\u0065thod``)
-    is one a byte search misses: either way a line relayed as it came could be a tool call
-    to the child and something else to the wrapper. Then the line is written again from
-    what the wrapper read (found by review)."""
-    if b"\\u" in line:
-        return False
-    if isinstance(msg, dict):
-        members = [msg]
-    elif isinstance(msg, list):
-        members = [m for m in msg if isinstance(m, dict)]
-    else:
-        return True  # no object: nothing in it is a key
-    if line.count(b'"method"') != sum(1 for m in members if "method" in m):
-        return False
-    calls = [m for m in members if m.get("method") == "tools/call"]
-    return not calls or line.count(b'"name"') == len(calls)
+class _Ambiguous(ValueError):
+    """Two keys of one object that some JSON reader takes for the same key."""
+
+
+#: the fields a message means what it means by, and a tool call's: a key that is not one
+#: of them but folds to one (``Method``, ``NAME``, ``param\u017f``) is that field to a
+#: reader that matches names case-insensitively, as Go's encoding/json does
+_MESSAGE_FIELDS = frozenset({"jsonrpc", "id", "method", "params", "result", "error"})
+_CALL_FIELDS = frozenset({"name", "arguments", "_meta"})
+
+
+def _distinct_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: dict[str, str] = {}
+    for key, _ in pairs:
+        folded = key.casefold()
+        if folded in seen:
+            raise _Ambiguous(f"the keys {seen[folded]!r} and {key!r} in one object")
+        seen[folded] = key
+    return dict(pairs)
+
+
+def _ambiguity(line: bytes, msg: Any) -> str | None:
+    """What makes ``line`` mean something else to some JSON reader than to the wrapper
+    (``msg``, its reading), or None. A key given twice is its last value here and its
+    first to some readers; keys alike but for case (or Unicode folding) are one key to a
+    reader that matches names case-insensitively, and so is a key that folds to a field a
+    message rests on. Relayed, any of these could be a tool call to the child and something
+    else to the wrapper (found by review, twice: a duplicate key, then a key in another
+    case, as CVE-2026-27896 used against the Go SDK). Such a line is refused, never relayed
+    or written again: the wrapper cannot know which reading the child has."""
+    try:
+        json.loads(line, object_pairs_hook=_distinct_keys)
+    except _Ambiguous as exc:
+        return str(exc)
+    except RecursionError:
+        return "nesting too deep to check"
+    except ValueError:  # orjson read it, the standard parser does not: not checked, refused
+        return "JSON the standard parser does not read"
+    for member in msg if isinstance(msg, list) else (msg,):
+        if not isinstance(member, dict):
+            continue
+        for key in member:
+            if key not in _MESSAGE_FIELDS and key.casefold() in _MESSAGE_FIELDS:
+                return f"the key {key!r}, which some readers take for {key.casefold()!r}"
+        params = member.get("params")
+        if isinstance(params, dict) and member.get("method") == "tools/call":
+            for key in params:
+                if key not in _CALL_FIELDS and key.casefold() in _CALL_FIELDS:
+                    return f"the key {key!r}, which some readers take for {key.casefold()!r}"
+    return None
 
 
 def _batch_ids(batch: list[Any]) -> tuple[Any, ...]:
@@ -497,7 +528,7 @@ class Proxy:
         self._sending: dict[Any, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         #: messages waiting for a (re)starting child, in the order they came (_in_order)
-        self._backlog: list[Callable[[], Awaitable[None]]] | None = None
+        self._backlog: list[tuple[Any, Callable[[], Awaitable[None]]]] | None = None
         self.closing = False
         self.fatal: str | None = None
         #: the signal that ended the relay (see terminate), if one did
@@ -722,14 +753,18 @@ class Proxy:
                 None, -32700, "effectfence wrap: parse error: the line is not JSON; not sent on"
             )
             return
-        if not _unambiguous(line, msg):
-            exact = _parse(line, exact=True) if _shallow(line) else _UNREADABLE
-            if exact is _UNREADABLE:
-                self._client_error(
-                    None, -32600, "effectfence wrap: the message is nested too deeply"
-                )
-                return
-            msg, line = exact, _dumps(exact) + b"\n"  # what the wrapper read, and only that
+        problem = _ambiguity(line, msg)
+        if problem is not None:
+            rid = msg.get("id") if isinstance(msg, dict) else None
+            if isinstance(msg, dict) and msg.get("method") == "tools/call":
+                self.stats.refused += 1
+            self._client_error(
+                rid if _is_id(rid) else None,
+                -32600,
+                f"effectfence wrap: the message is ambiguous ({problem}): JSON readers differ "
+                "on what it says, so it was not sent on; send each key once, as named",
+            )
+            return
         if isinstance(msg, list) and any(
             isinstance(m, dict) and m.get("method") == "tools/call" for m in msg
         ):
@@ -761,6 +796,8 @@ class Proxy:
                 self.stats.refused += 1
                 return
             if method == "notifications/cancelled" and isinstance(params, dict):
+                if self._drop_queued(params.get("requestId")):
+                    return
                 if self._cancel(params.get("requestId"), params.get("reason")):
                     return
                 if self._cancel_listing(params.get("requestId"), msg):
@@ -804,7 +841,7 @@ class Proxy:
                     cid, -32600, "effectfence wrap: the request is nested too deeply"
                 )
                 return
-            await self._in_order(lambda: self._list_for_client(cid, msg))
+            await self._in_order(lambda: self._list_for_client(cid, msg), cid)
             return
         if method == "initialize":
             self.era = "legacy"
@@ -823,9 +860,23 @@ class Proxy:
     async def _relay(
         self, line: bytes, ids: tuple[Any, ...], msg: dict[str, Any] | None = None
     ) -> None:
-        await self._in_order(lambda: self._forward(line, ids, msg))
+        await self._in_order(lambda: self._forward(line, ids, msg), ids[0] if ids else None)
 
-    async def _in_order(self, send: Callable[[], Awaitable[None]]) -> None:
+    def _drop_queued(self, cid: Any) -> bool:
+        """A cancel of a request still waiting in the backlog: the request is never sent (a
+        queued listing went out under an id of the wrapper's own, which its cancel, relayed
+        under the client's, never reached: found by review). The one being sent goes on,
+        and its cancel after it, as for a request already sent."""
+        backlog = self._backlog
+        if backlog is None or not _is_id(cid):
+            return False
+        for i in range(1, len(backlog)):
+            if backlog[i][0] == cid:
+                del backlog[i]
+                return True
+        return False
+
+    async def _in_order(self, send: Callable[[], Awaitable[None]], cid: Any = None) -> None:
         """Send to the child now when it is up; while it (re)starts, queue it behind what is
         queued, for one task to send in order. Awaited in the relay's turn, a request that
         waited for a restart held up everything the client sent after it: the wrapper's
@@ -834,10 +885,10 @@ class Proxy:
             await send()
             return
         if self._backlog is None:
-            self._backlog = [send]
+            self._backlog = [(cid, send)]
             self._spawn(self._send_backlog())
         else:
-            self._backlog.append(send)
+            self._backlog.append((cid, send))
 
     async def _send_backlog(self) -> None:
         backlog = self._backlog
@@ -845,7 +896,7 @@ class Proxy:
         try:
             while backlog:
                 try:
-                    await backlog[0]()
+                    await backlog[0][1]()
                 except Exception as exc:  # one message must not strand those behind it
                     _stderr(f"internal error relaying a message: {exc!r}; dropped it")
                 backlog.pop(0)
@@ -1278,8 +1329,12 @@ class Proxy:
         params = msg.get("params")
         name = params.get("name") if isinstance(params, dict) else None
         if type(name) is not str or not isinstance(params, dict):
+            # refused, never relayed: what the child makes of a call whose name the wrapper
+            # cannot read is not the wrapper's to guess (found by review)
             self._forget_call(cid, call)
-            await self._forward(line, (cid,), msg)
+            self._client_error(
+                cid, -32602, "effectfence wrap: a tools/call names its tool in params.name"
+            )
             return
         modern = _is_modern(params)
         try:
