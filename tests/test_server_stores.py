@@ -1782,3 +1782,110 @@ def test_a_misspelt_url_option_is_named_at_once(kind: str) -> None:
     store = open_store(with_query(base, **{key: name, known: value}))
     store.close()
     drop_pg_schema(name) if kind == "pg" else drop_redis_prefix(name)
+
+
+def test_read_sets_on_each_others_new_domains_admit_one_claim(pg: Any) -> None:
+    """X claims on A reading B at 0; Y claims on B reading A at 0; neither domain has a
+    row yet. In any order one comes second and must be refused read_set_stale (G6). The row
+    locks locked nothing where no row was, so both passed their compare and both ran, then
+    both failed at commit (found by review: 273 of 300 unforced trials). Forced here: the
+    fence row held as an eviction holds it stops both where they create their domain, after
+    their compare; released once both wait on a lock."""
+    import psycopg
+
+    from effectfence.errors import ReadSetStale
+
+    fence = EffectFence(store=pg)
+    fence.current("warm")  # the schema exists before the gate takes its row
+    gate = psycopg.connect(PG_DSN)
+    gate.execute(f'SELECT 1 FROM "{pg.schema}".fence WHERE id = 0 FOR NO KEY UPDATE')
+    out: dict[str, Any] = {}
+    barrier = threading.Barrier(2)
+
+    def claim(name: str, own: str, other: str) -> None:
+        barrier.wait()
+        try:
+            out[name] = fence.request(f"i{name}", own, "t", {}, name, read_set=[(other, 0)])
+        except Exception as exc:
+            out[name] = exc
+
+    threads = [
+        threading.Thread(target=claim, args=("x", "dom_a", "dom_b")),
+        threading.Thread(target=claim, args=("y", "dom_b", "dom_a")),
+    ]
+    for t in threads:
+        t.start()
+    with _pg_admin() as admin:
+        deadline = time.monotonic() + 30
+        while len(_blocked_pids(admin, pg.schema, "claim")) < 2:
+            assert time.monotonic() < deadline, "the claims never both waited"
+            time.sleep(0.01)
+    gate.rollback()
+    gate.close()
+    for t in threads:
+        t.join(30)
+    fresh = [k for k, v in out.items() if getattr(v, "fresh", False)]
+    stale = [k for k, v in out.items() if isinstance(v, ReadSetStale)]
+    assert len(fresh) == 1 and len(stale) == 1, f"both admitted on stale read sets: {out}"
+
+
+def test_redis_with_fsync_skipped_during_rewrites_is_not_called_safe(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """appendfsync always, but no-appendfsync-on-rewrite yes: while the server rewrites its
+    append-only file or snapshots, it does not fsync, and a crash then loses acknowledged
+    steps. It was reported safe for money (found by review). The server's own settings are
+    not changed: CONFIG GET answers as such a server's would."""
+    need("redis")
+    import redis
+
+    from effectfence.store.redis import RedisStore
+
+    real = redis.Redis.config_get
+    fake = {"appendonly": "yes", "appendfsync": "always", "no-appendfsync-on-rewrite": "yes"}
+
+    def config_get(self: Any, pattern: str = "*", *args: Any, **kw: Any) -> Any:
+        return {pattern: fake[pattern]} if pattern in fake else real(self, pattern, *args, **kw)
+
+    monkeypatch.setattr(redis.Redis, "config_get", config_get)
+    name = unique_name("redis")
+    for skips, safe in (("yes", False), ("no", True)):
+        fake["no-appendfsync-on-rewrite"] = skips
+        store = RedisStore(REDIS_URL, prefix=name)
+        try:
+            durability = store.describe()["durability"]
+        finally:
+            store.close()
+        assert durability["acknowledged_writes_survive_a_crash"] is safe, durability
+        assert ("no-appendfsync-on-rewrite" in durability["verdict"]) is not safe
+    drop_redis_prefix(name)
+
+
+def test_a_libpq_option_with_a_space_reaches_the_server_as_written() -> None:
+    """The libpq part of the URL was put back with urlencode, which writes a space as "+",
+    and libpq reads "+" as a plus: options=-c%20application_name%3D... failed as
+    "unavailable, retry later" after the whole timeout (found by review)."""
+    need("pg")
+    from effectfence.store.postgres import PostgresStore
+
+    name = unique_name("pg")
+    url = with_query(PG_DSN, schema=name, options="-c%20application_name%3Dfence_app")
+    store = PostgresStore.from_url(url, timeout=5)
+    try:
+        (row,) = store._run("t", "SHOW application_name", ())
+        assert row[0] == "fence_app"
+    finally:
+        store.close()
+        drop_pg_schema(name)
+
+
+@pytest.mark.parametrize("kind", ["pg", "redis"])
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "1e9"])
+def test_a_timeout_that_is_no_number_of_seconds_is_refused_by_name(kind: str, value: str) -> None:
+    """Redis took 0, -1, NaN and inf, then failed with a raw driver error or "unavailable,
+    retry later"; PostgreSQL took inf (found by review). Refused at once, naming timeout."""
+    need(kind)
+    name = unique_name(kind)
+    base = with_query(PG_DSN, schema=name) if kind == "pg" else with_query(REDIS_URL, prefix=name)
+    with pytest.raises(ValueError, match="timeout"):
+        open_store(with_query(base, timeout=value)).close()

@@ -134,6 +134,21 @@ class Step:
         return f"Step({self.outcome!r}, record={self.record!r}, found={self.found!r})"
 
 
+#: the longest a server store waits on one step (a day): past it a timeout is a mistake
+MAX_STEP_TIMEOUT = 86400.0
+
+
+def step_timeout(value: Any) -> float:
+    """A server store's ``timeout``: seconds, finite, > 0. Redis took 0, -1, NaN and inf
+    and failed later with a raw driver error or "unavailable, retry later"; PostgreSQL took
+    inf (found by review)."""
+    if type(value) not in (int, float) or not 0 < value <= MAX_STEP_TIMEOUT:
+        raise ValueError(
+            f"timeout must be seconds, a number > 0 and <= {MAX_STEP_TIMEOUT:g}, got {value!r}"
+        )
+    return float(value)
+
+
 def settled(step: Step, applied: Callable[[IntentRecord | None], bool]) -> Step:
     """A ticket step run again after its connection broke: an answer of MOVED holding what
     this step writes means the first run applied after all (it was still going on a

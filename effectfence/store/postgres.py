@@ -57,7 +57,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import psycopg
 import psycopg.errors
@@ -82,6 +82,7 @@ from effectfence.store.base import (
     Step,
     StoreMissing,
     settled,
+    step_timeout,
 )
 from effectfence.store.codec import (
     NEVER,
@@ -113,7 +114,9 @@ __all__ = ["DEFAULT_SCHEMA", "SCHEMA_VERSION", "PostgresStore", "StoreSchemaErro
 #: 8: ``merge_`` keeps clock.HEAD_AGENTS_KEPT past the bound; ``sweep`` reads only what may
 #: go, one sweeper at a time, a bounded batch, without JIT. (Functions change only with a
 #: new version: the DDL runs only on a schema older than this code's; found by review)
-SCHEMA_VERSION = 8
+#: 9: ``lock_domains_`` also locks each domain by name, so read sets on domains that have
+#: no row yet are serialized (two claims reading each other's new domain both ran)
+SCHEMA_VERSION = 9
 DEFAULT_SCHEMA = "effectfence"
 DEFAULT_POOL_MAX = 8
 #: seconds to wait for a pooled connection (or a new one) before reporting unavailable
@@ -232,15 +235,21 @@ CREATE OR REPLACE FUNCTION {s}.at_(p_domain text) RETURNS bigint LANGUAGE sql ST
     SELECT coalesce((SELECT seq FROM {s}.domains WHERE domain = p_domain),
                     (SELECT floor FROM {s}.fence WHERE id = 0)) $$;
 
--- lock the rows of a step's domains in name order: its own for update, the others for share
+-- lock a step's domains in name order: its own exclusively, the others shared. A row lock
+-- alone locks nothing where a domain has no row yet: two claims whose read sets named each
+-- other's new domain both passed their compare, and both ran (found by review: write skew,
+-- G6). So each domain is also locked by name (an advisory lock on a hash of schema and
+-- name, held to the end of the step), whether its row exists or not
 CREATE OR REPLACE FUNCTION {s}.lock_domains_(p_own text, p_others text[])
 RETURNS void LANGUAGE plpgsql AS $$
 DECLARE d text;
 BEGIN
     FOR d IN SELECT DISTINCT x FROM unnest(p_others || p_own) x ORDER BY x LOOP
         IF d = p_own THEN
+            PERFORM pg_advisory_xact_lock(hashtextextended({sname} || d, 0));
             PERFORM 1 FROM {s}.domains WHERE domain = d FOR NO KEY UPDATE;
         ELSE
+            PERFORM pg_advisory_xact_lock_shared(hashtextextended({sname} || d, 0));
             PERFORM 1 FROM {s}.domains WHERE domain = d FOR SHARE;
         END IF;
     END LOOP;
@@ -674,9 +683,11 @@ def _split_url(url: str) -> tuple[str, dict[str, str]]:
                 f"unknown option {k!r} in {mask_url(url)}: this store's are "
                 f"{', '.join(_OURS)}; the rest go to libpq, which knows no {k!r}"
             )
-    conninfo = urlunsplit(
-        (parts.scheme, parts.netloc, parts.path, urlencode(theirs), parts.fragment)
-    )
+    # %20 for a space, not urlencode's default "+", which libpq reads as a plus: the usual
+    # options=-c%20statement_timeout%3D5000 reached the server as "-c+statement_timeout"
+    # and failed as "unavailable, retry later" (found by review)
+    query = urlencode(theirs, quote_via=quote)
+    conninfo = urlunsplit((parts.scheme, parts.netloc, parts.path, query, parts.fragment))
     return conninfo, ours
 
 
@@ -728,8 +739,7 @@ class PostgresStore(FenceStore):
             raise ValueError(f"schema must match {_SCHEMA_NAME.pattern}, got {schema!r}")
         if cert_retention is not None and not cert_retention >= 0:
             raise ValueError("cert_retention must be >= 0 seconds, or None to keep forever")
-        if not timeout > 0:
-            raise ValueError("timeout must be > 0 seconds")
+        timeout = step_timeout(timeout)
         self.schema = schema
         self._create = create
         self.timeout = float(timeout)
@@ -1091,6 +1101,7 @@ class PostgresStore(FenceStore):
                     if found is None or int(found) < SCHEMA_VERSION:
                         ddl = _DDL.format(
                             s=f'"{self.schema}"',
+                            sname="'" + self.schema.replace("'", "''") + ":'",
                             f=_F,
                             ch=f"'{self._channel}'",
                             max_head=MAX_HEAD_AGENTS,
