@@ -34,7 +34,9 @@ from effectfence.store.memory import MemoryStore
 
 __all__ = ["REFERENCE_MS", "StormReport", "main", "run_storm"]
 
-#: The reference implementation's figure for this storm, end to end.
+#: The reference implementation's figure for this storm, end to end, measured elsewhere:
+#: shown beside ours for context only. Compared with our fence time alone it read "under
+#: the reference" for a whole storm several times as long (found by review)
 REFERENCE_MS = 22.33
 INTENT = "charge:order-777"
 DOMAIN = "order:777"
@@ -87,7 +89,6 @@ class StormReport:
             ok=self.ok,
             fence_share_ms=self.fence_share_ms,
             double_charge_cents=self.double_charge_cents,
-            fence_under_reference=self.fence_sum_ms < REFERENCE_MS,
             fence_over_harness=self.fence_sum_ms / self.harness_ms if self.harness_ms else None,
         )
         return d
@@ -259,9 +260,8 @@ def print_report(reports: Sequence[StormReport], out: Any = None) -> None:
             file=out,
         )
         print(
-            f"[{r.counters}] fence time {r.fence_sum_ms:.2f} ms for {r.attempts} attempts: "
-            f"{'under' if r.fence_sum_ms < REFERENCE_MS else 'OVER'} the reference "
-            f"implementation's whole storm ({REFERENCE_MS} ms), "
+            f"[{r.counters}] fence time {r.fence_sum_ms:.2f} ms for {r.attempts} attempts "
+            f"in a whole storm of {r.elapsed_ms:.1f} ms; the fence is "
             f"{r.fence_sum_ms / r.harness_ms * 100 if r.harness_ms else 0:.1f}% of the "
             f"harness ({'under' if r.fence_sum_ms < 0.1 * r.harness_ms else 'OVER'} 10%)",
             file=out,

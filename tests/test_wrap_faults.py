@@ -1305,6 +1305,24 @@ _CALL = b'"params":{"name":"charge","arguments":{"order":1}}'
             b'"params":{"name":"charge","arguments":{"order":2},"Arguments":{"order":1}}}',
         ),
         ("fold", b'{"jsonrpc":"2.0","ID":60,"METHOD":"tools/call",' + _CALL + b"}"),
+        # a charge for another order than the one fenced, to a case-insensitive reader
+        (
+            "fold",
+            b'{"jsonrpc":"2.0","id":60,"method":"tools/call",'
+            b'"params":{"name":"charge","arguments":{"order":3,"Order":1}}}',
+        ),
+        # a NUL in a key: C readers (cJSON, json-c) cut the key there
+        (
+            "cstring",
+            b'{"jsonrpc":"2.0","id":60,"method\\u0000":"tools/call","method":"ping",'
+            + _CALL
+            + b"}",
+        ),
+        (
+            "cstring",
+            b'{"jsonrpc":"2.0","id":60,"method":"tools/call",'
+            b'"params":{"name\\u0000":"charge","name":"peek","arguments":{"order":1}}}',
+        ),
     ],
 )
 async def test_a_line_json_readers_read_differently_is_refused_never_relayed(
@@ -1316,7 +1334,7 @@ async def test_a_line_json_readers_read_differently_is_refused_never_relayed(
     wrapper judged a ping, a response or a read-only call was a charge to such a child,
     run unfenced; written again, the folded key went with it (found by review, twice). The
     line is refused, and nothing reaches the child."""
-    env = {"RAW_FIRST_KEY": "1"} if reader == "first" else {"RAW_FOLD_KEYS": "1"}
+    env = {{"first": "RAW_FIRST_KEY", "fold": "RAW_FOLD_KEYS"}.get(reader, "RAW_CSTRING_KEYS"): "1"}
     h = Harness(tmp_path, monkeypatch, **env)
     await h.start()
     h.raw(line)
@@ -1376,6 +1394,10 @@ async def test_an_answer_to_the_wrappers_own_request_in_an_odd_form_ends_the_wai
     got = await h.answer(h.send("tools/call", {"name": "charge", "arguments": {"order": 1}}))
     if form == "batch":
         assert text(got) == "charged" and mark(got)["replayed"] is False
+        # the rest of that batch reaches the client as exactly as it came (written again from
+        # orjson's reading, an integer past 64 bits became a float: found by review)
+        note = {"jsonrpc": "2.0", "method": "notifications/message", "params": {"data": 2**70 + 1}}
+        assert [json.loads(x) for x in h.out if b"notifications/message" in x] == [[note]]
         again = await h.answer(h.send("tools/call", {"name": "charge", "arguments": {"order": 1}}))
         assert mark(again)["replayed"] is True
     else:
@@ -1422,4 +1444,45 @@ async def test_a_tools_call_whose_name_the_wrapper_cannot_read_is_refused(
         rid = h.send("tools/call", params)  # type: ignore[arg-type]
         assert (await h.answer(rid))["error"]["code"] == -32602
     assert h.ledger() == []
+    assert await h.stop() == 0
+
+
+async def test_keys_alike_but_for_case_where_no_decision_rests_are_relayed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check stays where the fence's decisions rest: keys alike but for case deep in a
+    message other than a tool call (a header map, say) are relayed, and so are keys that
+    only full Unicode folding takes for one (straße, strasse), which no reader does."""
+    h = Harness(tmp_path, monkeypatch)
+    await h.start()
+    deep = {"jsonrpc": "2.0", "id": 80, "method": "ping", "params": {"h": {"A": 1, "a": 2}}}
+    h.raw(json.dumps(deep).encode())
+    assert (await h.answer(80)).get("result") == {}
+    args = {"order": 5, "stra\u00dfe": 1, "strasse": 2}
+    got = await h.answer(h.send("tools/call", {"name": "charge", "arguments": args}))
+    assert text(got) == "charged"
+    assert h.ledger() == [args]
+    assert await h.stop() == 0
+
+
+async def test_a_cancel_of_one_request_of_a_queued_batch_keeps_the_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A queued batch was filed under its first request's id, and a cancel of that request
+    dropped the whole batch: its other requests were never answered (found by review)."""
+    h, gate = _gated_restarts(tmp_path, monkeypatch)
+    await h.start()
+    await _its_child_dies(h)
+    first = h.send("ping")  # starts the child again
+    await _asked(gate)  # the restarted child is not up yet
+    batch = [{"jsonrpc": "2.0", "id": 70, "method": "ping"}]
+    batch.append({"jsonrpc": "2.0", "id": 71, "method": "ping"})
+    h.raw(json.dumps(batch).encode())
+    cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 70}}
+    h.raw(json.dumps(cancel).encode())
+    gate.touch()
+    assert (await h.answer(first)).get("result") == {}
+    assert (await h.answer(h.send("ping"))).get("result") == {}
+    seen = [m for x in h.out for m in (lambda v: v if isinstance(v, list) else [v])(json.loads(x))]
+    assert 71 in [m.get("id") for m in seen], "request 71 (not cancelled) was never answered"
     assert await h.stop() == 0

@@ -232,55 +232,97 @@ def _one_line(line: bytes) -> bytes:
     return line
 
 
-class _Ambiguous(ValueError):
-    """Two keys of one object that some JSON reader takes for the same key."""
-
-
 #: the fields a message means what it means by, and a tool call's: a key that is not one
-#: of them but folds to one (``Method``, ``NAME``, ``param\u017f``) is that field to a
-#: reader that matches names case-insensitively, as Go's encoding/json does
+#: of them but folds to one (``Method``, ``NAME``, ``param\u017f``, ``method\u0000``) is
+#: that field to a reader that matches names case-insensitively, as Go's encoding/json
+#: does, or keeps a key as a C string, as cJSON and json-c do
 _MESSAGE_FIELDS = frozenset({"jsonrpc", "id", "method", "params", "result", "error"})
 _CALL_FIELDS = frozenset({"name", "arguments", "_meta"})
 
 
-def _distinct_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def _fold(key: str) -> str:
+    """The name some reader takes ``key`` for: cut at a NUL (a C string), then folded
+    character by character (simple case folding, as Go's: the long s is s, and the Kelvin
+    sign k, but ß stays ß)."""
+    key = key.split("\x00", 1)[0]
+    if key.isascii():
+        return key.lower()
+    return "".join(f if len(f := c.casefold()) == 1 else c for c in key)
+
+
+class _Read(dict[str, Any]):
+    """An object as the check read it, and what makes two of its keys one to some reader."""
+
+    __slots__ = ("clash",)
+    clash: str | None
+
+
+def _read(pairs: list[tuple[str, Any]]) -> _Read:
+    obj = _Read(pairs)
+    obj.clash = None
     seen: dict[str, str] = {}
     for key, _ in pairs:
-        folded = key.casefold()
+        folded = _fold(key)
         if folded in seen:
-            raise _Ambiguous(f"the keys {seen[folded]!r} and {key!r} in one object")
+            obj.clash = f"the keys {seen[folded]!r} and {key!r} in one object"
+            break
         seen[folded] = key
-    return dict(pairs)
+    return obj
 
 
-def _ambiguity(line: bytes, msg: Any) -> str | None:
-    """What makes ``line`` mean something else to some JSON reader than to the wrapper
-    (``msg``, its reading), or None. A key given twice is its last value here and its
-    first to some readers; keys alike but for case (or Unicode folding) are one key to a
-    reader that matches names case-insensitively, and so is a key that folds to a field a
-    message rests on. Relayed, any of these could be a tool call to the child and something
-    else to the wrapper (found by review, twice: a duplicate key, then a key in another
-    case, as CVE-2026-27896 used against the Go SDK). Such a line is refused, never relayed
-    or written again: the wrapper cannot know which reading the child has."""
+def _field_like(obj: dict[str, Any], fields: frozenset[str]) -> str | None:
+    for key in obj:
+        if key not in fields and _fold(key) in fields:
+            return f"the key {key!r}, which some readers take for {_fold(key)!r}"
+    return None
+
+
+def _clash_within(value: Any) -> str | None:
+    """The first clash in any object of ``value`` (iteratively: arguments may be deep)."""
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, _Read):
+            if v.clash is not None:
+                return v.clash
+            todo.extend(v.values())
+        elif isinstance(v, list):
+            todo.extend(v)
+    return None
+
+
+def _ambiguity(line: bytes) -> str | None:
+    """What makes ``line`` mean something else to some JSON reader than to the wrapper, or
+    None. A key given twice is its last value here and its first to some readers; keys
+    alike but for case (or Unicode folding) are one key to a reader that matches names
+    case-insensitively, and a key with a NUL in it is cut there by C readers; a key that
+    folds to a field a message rests on is that field to such readers. Relayed, any of these
+    could be a tool call to the child and something else to the wrapper (found by review,
+    three times: a duplicate key; a key in another case, as CVE-2026-27896 used against the
+    Go SDK; a NUL). Checked where the fence's decisions rest: each message's own keys, its
+    params' keys, and everything inside a tool call's arguments (a charge read as another
+    order than the one fenced runs twice); keys alike but for case deeper in other messages
+    are the child's business. Such a line is refused, never relayed or written again: the
+    wrapper cannot know which reading the child has."""
     try:
-        json.loads(line, object_pairs_hook=_distinct_keys)
-    except _Ambiguous as exc:
-        return str(exc)
+        read = json.loads(line, object_pairs_hook=_read)
     except RecursionError:
         return "nesting too deep to check"
     except ValueError:  # orjson read it, the standard parser does not: not checked, refused
         return "JSON the standard parser does not read"
-    for member in msg if isinstance(msg, list) else (msg,):
-        if not isinstance(member, dict):
+    for member in read if isinstance(read, list) else (read,):
+        if not isinstance(member, _Read):
             continue
-        for key in member:
-            if key not in _MESSAGE_FIELDS and key.casefold() in _MESSAGE_FIELDS:
-                return f"the key {key!r}, which some readers take for {key.casefold()!r}"
+        problem = member.clash or _field_like(member, _MESSAGE_FIELDS)
         params = member.get("params")
-        if isinstance(params, dict) and member.get("method") == "tools/call":
-            for key in params:
-                if key not in _CALL_FIELDS and key.casefold() in _CALL_FIELDS:
-                    return f"the key {key!r}, which some readers take for {key.casefold()!r}"
+        if problem is None and isinstance(params, _Read):
+            problem = params.clash
+            if problem is None and member.get("method") == "tools/call":
+                problem = _field_like(params, _CALL_FIELDS) or _clash_within(
+                    params.get("arguments")
+                )
+        if problem is not None:
+            return problem
     return None
 
 
@@ -753,7 +795,7 @@ class Proxy:
                 None, -32700, "effectfence wrap: parse error: the line is not JSON; not sent on"
             )
             return
-        problem = _ambiguity(line, msg)
+        problem = _ambiguity(line)
         if problem is not None:
             rid = msg.get("id") if isinstance(msg, dict) else None
             if isinstance(msg, dict) and msg.get("method") == "tools/call":
@@ -860,7 +902,10 @@ class Proxy:
     async def _relay(
         self, line: bytes, ids: tuple[Any, ...], msg: dict[str, Any] | None = None
     ) -> None:
-        await self._in_order(lambda: self._forward(line, ids, msg), ids[0] if ids else None)
+        # a batch is never dropped by a cancel of one of its requests: the others are owed
+        # answers (found by review); its cancels follow it, as for a request already sent
+        one = ids[0] if msg is not None and len(ids) == 1 else None
+        await self._in_order(lambda: self._forward(line, ids, msg), one)
 
     def _drop_queued(self, cid: Any) -> bool:
         """A cancel of a request still waiting in the backlog: the request is never sent (a
@@ -1067,11 +1112,15 @@ class Proxy:
                         why = "the server's answer to it came in a batch it could not read"
                         ok = isinstance(exact, list) and "method" not in m
                         self._own_answer(child, m["id"], m if ok else _UNREADABLE, why)
-                msg = [m for m in msg if not (isinstance(m, dict) and self._is_own(m.get("id")))]
-                if not msg:
-                    return
-                line = _dumps(msg) + b"\n"  # the rest, for the client
-                garbled = False
+                if isinstance(exact, list):  # the rest, for the client, as exactly as it came
+                    msg = [
+                        m for m in exact if not (isinstance(m, dict) and self._is_own(m.get("id")))
+                    ]
+                    if not msg:
+                        return
+                    line = _dumps(msg) + b"\n"
+                # else relayed as it came (its own answers with it, ids the client never used):
+                # written again from a lossy reading, its numbers or bytes would change (review)
             child.relayed.difference_update(
                 m["id"]
                 for m in msg
