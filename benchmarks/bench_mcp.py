@@ -247,15 +247,20 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
         and checks["server_admitted"] == expected_admitted
     )
     latency = {k: {q: _summary(v) for q, v in d.items()} for k, d in lat.items()}
-    noop = latency["noop"]["p50"]["median"]
+
+    def paired(key: str, times: int = 1) -> list[float]:
+        """The overhead of ``key`` over the no-op measured beside it, round by round: a
+        ratio of medians could pair figures of different rounds (found by review: it read
+        +9.3% where four of five paired rounds were over 10%)."""
+        noops = lat["noop"]["p50"]
+        return [p / (times * b) - 1 for p, b in zip(lat[key]["p50"], noops, strict=True)]
+
+    per_round_overhead = paired("prepare")
     overhead = {
-        "prepare": latency["prepare"]["p50"]["median"] / noop - 1,
-        "replay": latency["replay"]["p50"]["median"] / noop - 1,
-        "prepare+commit vs 2x noop": latency["prepare+commit"]["p50"]["median"] / (2 * noop) - 1,
+        "prepare": statistics.median(per_round_overhead),
+        "replay": statistics.median(paired("replay")),
+        "prepare+commit vs 2x noop": statistics.median(paired("prepare+commit", 2)),
     }
-    per_round_overhead = [
-        p / b - 1 for p, b in zip(lat["prepare"]["p50"], lat["noop"]["p50"], strict=True)
-    ]
     return {
         "calls_per_round": n,
         "rounds": rounds,
@@ -810,14 +815,9 @@ async def _measure_http(args: argparse.Namespace) -> dict[str, Any]:
 
     results = {k: {q: _summary(v) for q, v in d.items()} for k, d in res.items()}
 
-    def p50(key: str) -> float:
-        return float(results[key]["p50"]["median"])
-
     x8 = f"x{CONCURRENCY}"
-    overhead = {
-        f"{c} {k}": p50(f"{c} fence_prepare {k}") / p50(f"{c} noop {k}") - 1
-        for c, k in (("raw", "x1"), ("raw", x8), ("sdk", "x1"))
-    }
+    # the median of the rounds' paired overheads, each fence_prepare beside its no-op
+    overhead = {k: statistics.median(v) for k, v in over.items()}
     prepares_x8 = results[f"raw fence_prepare {x8}"]["calls/s"]["median"]
     store_name = stats.get("store", "?")
     admitted = stats.get("prepare", {}).get("admitted")

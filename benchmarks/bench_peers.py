@@ -135,11 +135,15 @@ def check_fresh(name: str, sink: Sink, results: list[Any], n: int) -> None:
     )
 
 
-def check_replay(name: str, sink: Sink, results: list[Any], n: int) -> None:
-    assert sink.n == REPLAY_KEYS, f"{name} replay: {sink.n - REPLAY_KEYS} re-executions"
-    assert len(results) == n and all(
-        r == expected(j % REPLAY_KEYS) for j, r in enumerate(results)
-    ), f"{name} replay: a replay did not return the recorded result"
+def check_replay(
+    name: str, sink: Sink, results: list[Any], n: int, keys: int = REPLAY_KEYS
+) -> None:
+    """``n`` replays of ``keys`` intents, each set up once: none ran again (the sink holds
+    the setup's executions only), and each returned its recorded result."""
+    assert sink.n == keys, f"{name} replay: {sink.n - keys} re-executions"
+    assert len(results) == n and all(r == expected(j % keys) for j, r in enumerate(results)), (
+        f"{name} replay: a replay did not return the recorded result"
+    )
 
 
 # -- effectfence --------------------------------------------------------------------------------

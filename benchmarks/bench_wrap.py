@@ -84,16 +84,31 @@ async def run(rounds: int, calls: int, store: str, tmp: Path) -> dict[str, Any]:
     pd, pw, fd, fw = await asyncio.gather(
         _start(demo("pd")), _start(wrapped("pw")), _start(demo("fd")), _start(wrapped("fw"))
     )
-    lat: dict[str, list[float]] = {
-        k: [] for k in ("pass_d", "pass_w", "fenced_d", "fenced_w", "replay_w")
-    }
+    keys = ("pass_d", "pass_w", "fenced_d", "fenced_w", "replay_w")
+    lat: dict[str, list[float]] = {k: [] for k in keys}  # every call, all rounds pooled
+    by_round: dict[str, list[list[float]]] = {k: [] for k in keys}
+    rates: dict[str, list[float]] = {k: [] for k in keys[:4]}
     run_id = f"{time.time_ns():x}"
     n = 0
+    total = max(CONCURRENCY, calls * 2 // CONCURRENCY * CONCURRENCY)
+
+    async def storm(client: StdioClient, tool: str, make: Any) -> float:
+        t0 = time.perf_counter()
+
+        async def caller(c: int) -> None:
+            for k in range(total // CONCURRENCY):
+                await client.call_tool(tool, make(c, k))
+
+        await asyncio.gather(*(caller(c) for c in range(CONCURRENCY)))
+        return total / (time.perf_counter() - t0)
+
     try:
         for _ in range(20):  # warm up both paths (and the store's file)
             await _timed(pd, "get_charges", {})
             await _timed(pw, "get_charges", {})
         for r in range(rounds):
+            for k in keys:
+                by_round[k].append([])
             for i in range(calls):
                 n += 1
                 args = {"order_id": f"{run_id}-{r}-{i}", "cents": 100}
@@ -109,44 +124,50 @@ async def run(rounds: int, calls: int, store: str, tmp: Path) -> dict[str, Any]:
                     dt, res = await _timed(client, tool, a)
                     assert not res.get("isError"), res
                     lat[key].append(dt)
+                    by_round[key][-1].append(dt)
                 dt, res = await _timed(fw, "charge_card", args)  # the identical call again
                 assert res["_meta"][META_KEY]["replayed"] is True, res
                 lat["replay_w"].append(dt)
+                by_round["replay_w"][-1].append(dt)
+            # 8 concurrent callers, every round, direct and wrapped side by side (the order
+            # alternating): one run each, after all rounds, was shown as if a median (review)
+            order = [("pass", "get_charges"), ("fenced", "charge_card")]
+            for kind, tool in order:
+                sides = [(f"{kind}_d", pd if kind == "pass" else fd)]
+                sides.append((f"{kind}_w", pw if kind == "pass" else fw))
+                for key, client in sides if r % 2 == 0 else sides[::-1]:
 
-        async def storm(client: StdioClient, tool: str, make: Any, total: int) -> float:
-            t0 = time.perf_counter()
+                    def make(c: int, k: int, r: int = r, kind: str = kind) -> dict[str, Any]:
+                        if kind == "pass":
+                            return {}
+                        return {"order_id": f"{run_id}-s{r}-{c}-{k}", "cents": 1}
 
-            async def caller(c: int) -> None:
-                for k in range(total // CONCURRENCY):
-                    await client.call_tool(tool, make(c, k))
-
-            await asyncio.gather(*(caller(c) for c in range(CONCURRENCY)))
-            return total / (time.perf_counter() - t0)
-
-        total = max(CONCURRENCY, calls * 2 // CONCURRENCY * CONCURRENCY)
-        rates = {
-            "pass_d": await storm(pd, "get_charges", lambda c, k: {}, total),
-            "pass_w": await storm(pw, "get_charges", lambda c, k: {}, total),
-            "fenced_d": await storm(
-                fd,
-                "charge_card",
-                lambda c, k: {"order_id": f"{run_id}-s{c}-{k}", "cents": 1},
-                total,
-            ),
-            "fenced_w": await storm(
-                fw,
-                "charge_card",
-                lambda c, k: {"order_id": f"{run_id}-s{c}-{k}", "cents": 1},
-                total,
-            ),
-        }
+                    rates[key].append(await storm(client, tool, make))
     finally:
         await asyncio.gather(*(c.close() for c in (pd, pw, fd, fw)))
     runs = sum(1 for _ in ledger["fw"].open()) if ledger["fw"].exists() else 0
-    assert runs == n + total, f"fenced calls ran {runs} times for {n + total} distinct calls"
+    expect = n + rounds * total
+    assert runs == expect, f"fenced calls ran {runs} times for {expect} distinct calls"
 
     def ms(key: str, q: float) -> float:
         return round(_pct(lat[key], q) * 1e3, 3)
+
+    def added(name: str, q: float) -> dict[str, float]:
+        """Wrapped minus direct, round by round (each pair measured side by side): median
+        and min-max over the rounds, in ms."""
+        per = [
+            (_pct(w, q) - _pct(d, q)) * 1e3
+            for d, w in zip(by_round[f"{name}_d"], by_round[f"{name}_w"], strict=True)
+        ]
+        return {
+            "median": round(statistics.median(per), 3),
+            "min": round(min(per), 3),
+            "max": round(max(per), 3),
+        }
+
+    def rate(key: str) -> dict[str, float]:
+        v = rates[key]
+        return {"median": round(statistics.median(v)), "min": round(min(v)), "max": round(max(v))}
 
     out: dict[str, Any] = {
         "store": store.split(":", 1)[0],
@@ -156,23 +177,27 @@ async def run(rounds: int, calls: int, store: str, tmp: Path) -> dict[str, Any]:
     }
     for name in ("pass", "fenced"):
         d, w = f"{name}_d", f"{name}_w"
+        p50, p99 = added(name, 0.5), added(name, 0.99)
         out[name] = {
             "direct_p50_ms": ms(d, 0.5),
             "wrapped_p50_ms": ms(w, 0.5),
-            "added_p50_ms": round(ms(w, 0.5) - ms(d, 0.5), 3),
+            "added_p50_ms": p50["median"],
+            "added_p50_ms_range": [p50["min"], p50["max"]],
             "direct_p99_ms": ms(d, 0.99),
             "wrapped_p99_ms": ms(w, 0.99),
-            "added_p99_ms": round(ms(w, 0.99) - ms(d, 0.99), 3),
-            "direct_calls_per_s_8": round(rates[d]),
-            "wrapped_calls_per_s_8": round(rates[w]),
+            "added_p99_ms": p99["median"],
+            "added_p99_ms_range": [p99["min"], p99["max"]],
+            "direct_calls_per_s_8": rate(d),
+            "wrapped_calls_per_s_8": rate(w),
         }
     out["replay"] = {"wrapped_p50_ms": ms("replay_w", 0.5), "wrapped_p99_ms": ms("replay_w", 0.99)}
     # quantiles (ms) of every latency, for the suite's distribution charts
     out["distribution_ms"] = {
         k: {f"p{q * 100:g}": _pct(v, q) * 1e3 for q in DIST_Q} for k, v in lat.items()
     }
-    out["checks"] = {"fenced_runs": runs, "distinct_fenced_calls": n + total, "replays": n}
+    out["checks"] = {"fenced_runs": runs, "distinct_fenced_calls": expect, "replays": n}
     out["mean_ms"] = {k: round(statistics.fmean(v) * 1e3, 3) for k, v in lat.items()}
+    out["targets"] = {"fenced_added_p50_ms": TARGET_FENCED_MS, "pass_added_p50_ms": TARGET_PASS_MS}
     out["targets_met"] = {
         "fenced_added_p50_under_1ms": out["fenced"]["added_p50_ms"] < TARGET_FENCED_MS,
         "pass_added_p50_under_0.3ms": out["pass"]["added_p50_ms"] < TARGET_PASS_MS,

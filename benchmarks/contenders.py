@@ -365,6 +365,35 @@ def _replay(guard: Guard, contender: str, url: str, n: int, rnd: int) -> dict[st
     return {"ops_s": n / dt, "re_executions": sink.n - REPLAY_KEYS, "version": guard.version}
 
 
+def _replay_other(guard: Guard, contender: str, url: str, n: int, rnd: int) -> dict[str, Any]:
+    """Replays of ``n`` intents another client committed, each once: the reader's caches
+    start empty, so every replay reads the store. Timed on the writer, every SQLite replay
+    was a hit in the store's in-process cache of its own writes, which a peer without one
+    cannot match (found by review); a duplicate from another process meets no such cache.
+    A file store only: a server store's guard has a namespace of its own."""
+    if not url.startswith("sqlite:"):
+        raise ValueError("replay_other measures a file store shared by two clients")
+    sink = Sink()
+    tag = f"other:{os.getpid()}:{rnd}:{time.monotonic_ns()}"
+    for k in range(n):
+        guard.call(f"{tag}:{k}", payload(k), lambda k=k: effect(sink, k))
+    reader = GUARDS[contender](url)
+    if isinstance(guard, EffectfenceGuard) and isinstance(reader, EffectfenceGuard):
+        reader.hashes = dict(guard.hashes)  # what each replay must carry
+    try:
+        results: list[Any] = []
+        append, call = results.append, reader.call
+        gc.collect()
+        t0 = time.perf_counter()
+        for k in range(n):
+            append(call(f"{tag}:{k}", payload(k), lambda k=k: effect(sink, k)))
+        dt = time.perf_counter() - t0
+    finally:
+        reader.close()
+    check_replay(contender, sink, results, n, keys=n)
+    return {"ops_s": n / dt, "re_executions": sink.n - n, "version": guard.version}
+
+
 def _storm(
     guard: Guard,
     contender: str,
@@ -428,9 +457,10 @@ def _storm(
 
 def _with_guard(work: Callable[..., dict[str, Any]], tag: str) -> Callable[..., dict[str, Any]]:
     def run(contender: str, url: str, rnd: int, **kw: Any) -> dict[str, Any]:
-        guard = GUARDS[contender](_fresh_url(url, f"{tag}{rnd}"))
+        own = _fresh_url(url, f"{tag}{rnd}")
+        guard = GUARDS[contender](own)
         try:
-            return work(guard, contender, url, rnd=rnd, **kw)
+            return work(guard, contender, own, rnd=rnd, **kw)
         finally:
             guard.close()  # a failed check must not leave keys or tables behind
 
@@ -439,4 +469,5 @@ def _with_guard(work: Callable[..., dict[str, Any]], tag: str) -> Callable[..., 
 
 fresh = _with_guard(_fresh, "f")
 replay = _with_guard(_replay, "r")
+replay_other = _with_guard(_replay_other, "o")
 storm = _with_guard(_storm, "s")

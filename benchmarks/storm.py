@@ -63,10 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     for table, e in s.items():
         med = e["fence_sum_ms"]["median"]
         print(
-            f"  target [{table}]: fence {med:.2f} ms < {REFERENCE_MS} ms reference storm: "
-            f"{'met' if med < REFERENCE_MS else 'NOT met'}; fence/harness "
-            f"{e['fence_over_harness'] * 100:.1f}% < 10%: "
-            f"{'met' if e['fence_over_harness'] < 0.10 else 'NOT met'}"
+            f"  target [{table}]: fence/harness {e['fence_over_harness'] * 100:.1f}% < 10%: "
+            f"{'met' if e['fence_over_harness'] < 0.10 else 'NOT met'} (fence {med:.2f} ms; "
+            f"the reference implementation's whole storm, measured elsewhere: {REFERENCE_MS} "
+            "ms, for context, not compared)"
         )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:

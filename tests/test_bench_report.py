@@ -424,3 +424,38 @@ def test_readme_and_docs_blocks_are_what_report_makes_of_the_committed_json() ->
         elif path.name in DOCS_BLOCKS:
             assert names == DOCS_BLOCKS[path.name]
     assert found == set(report.BLOCKS), "a block that no page shows"
+
+
+def test_replays_by_another_client_start_from_an_empty_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The peers' SQLite replays were timed on the client that committed the intents, whose
+    store answered every one from its cache of its own writes, which once-kernel has not
+    (found by review). `replay, other client` times a second client: when its clock
+    starts, none of the intents it replays is in its store's cache."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import contenders
+
+    from effectfence.store import sqlite as sq
+
+    made: list[Any] = []
+    real = contenders.GUARDS["effectfence"]
+
+    def factory(url: str) -> Any:
+        made.append(real(url))
+        return made[-1]
+
+    monkeypatch.setitem(contenders.GUARDS, "effectfence", factory)
+    cached: list[int] = []
+
+    def at_t0() -> None:  # _replay_other collects garbage right before its clock starts
+        reader = made[-1]
+        cached.append(
+            sum(reader.fence.store._kept_record(k) is not sq._ABSENT for k in reader.hashes)
+        )
+
+    monkeypatch.setattr(contenders.gc, "collect", at_t0)
+    url = f"sqlite:///{str(tmp_path / 'ef.db').lstrip('/')}?synchronous=normal"
+    got = contenders.replay_other(contender="effectfence", url=url, n=300, rnd=0)
+    assert len(made) == 2 and len(made[1].hashes) == 300  # a second client, told what to expect
+    assert cached == [0] and got["re_executions"] == 0

@@ -22,6 +22,8 @@ from benchmarks.stats import ratio, summary
 from benchmarks.suite import Context, Skip, Worker, postgres_facts, reachable, redis_facts
 
 TITLE = "effectfence vs peers: the same work, the same stores"
+#: replays by a client that did not write the intents, each read once (file stores)
+REPLAY_OTHER = "replay, other client"
 
 #: peer -> pinned pip requirement
 PEERS: dict[str, str] = {
@@ -173,10 +175,15 @@ def run(ctx: Context) -> dict[str, Any]:
                 n_fresh, n_replay = n_mem if store == "memory" else n_durable
                 order = list(who)
                 order = order[rnd % len(order) :] + order[: rnd % len(order)]
-                for scenario, n in (("fresh", n_fresh), ("replay", n_replay)):
+                work = [("fresh", "fresh", n_fresh), ("replay", "replay", n_replay)]
+                if store.startswith("sqlite"):
+                    # a duplicate from another process: the SQLite store's cache of its own
+                    # writes answered every replay above, which no peer has (found by review)
+                    work.append(("replay_other", REPLAY_OTHER, n_replay))
+                for fn, scenario, n in work:
                     for c in order:
                         got = workers[c].call(
-                            f"contenders:{scenario}", contender=c, url=who[c], n=n, rnd=rnd
+                            f"contenders:{fn}", contender=c, url=who[c], n=n, rnd=rnd
                         )
                         versions[c] = got["version"]
                         samples.setdefault((store, scenario, c), []).append(got["ops_s"])
