@@ -1323,6 +1323,10 @@ _CALL = b'"params":{"name":"charge","arguments":{"order":1}}'
             b'{"jsonrpc":"2.0","id":60,"method":"tools/call",'
             b'"params":{"name\\u0000":"charge","name":"peek","arguments":{"order":1}}}',
         ),
+        # a NUL in a value: "tools/call\u0000" is a tool call to a C reader
+        ("cstring", b'{"jsonrpc":"2.0","id":60,"method":"tools/call\\u0000",' + _CALL + b"}"),
+        # _ and - ignored by Go's encoding/json/v2 when it matches names without case
+        ("fold", b'{"jsonrpc":"2.0","id":60,"me_thod":"tools/call",' + _CALL + b"}"),
     ],
 )
 async def test_a_line_json_readers_read_differently_is_refused_never_relayed(
@@ -1485,4 +1489,30 @@ async def test_a_cancel_of_one_request_of_a_queued_batch_keeps_the_batch(
     assert (await h.answer(h.send("ping"))).get("result") == {}
     seen = [m for x in h.out for m in (lambda v: v if isinstance(v, list) else [v])(json.loads(x))]
     assert 71 in [m.get("id") for m in seen], "request 71 (not cancelled) was never answered"
+    assert await h.stop() == 0
+
+
+async def test_a_nul_in_a_calls_name_or_arguments_never_makes_another_intent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A C reader cuts a string at a NUL: "A1\\u0000retry" is order A1 to it and another
+    intent to the fence, and "charge\\u0000x" is charge, past a policy that fences by
+    name (found by review): both charged again. A NUL anywhere is refused."""
+    policy = Policy.from_dict(
+        {
+            "defaults": {"fence": False},
+            "tools": {"charge": {"fence": True, "intent_args": ["order"]}},
+        }
+    )
+    h = Harness(tmp_path, monkeypatch, policy=policy, RAW_CSTRING_KEYS="1")
+    await h.start()
+    first = await h.answer(h.send("tools/call", {"name": "charge", "arguments": {"order": "A1"}}))
+    assert mark(first)["replayed"] is False
+    for params in (
+        {"name": "charge", "arguments": {"order": "A1\x00retry"}},
+        {"name": "charge\x00x", "arguments": {"order": "A1"}},
+    ):
+        got = await h.answer(h.send("tools/call", params))
+        assert got["error"]["code"] == -32600 and "NUL" in got["error"]["message"], got
+    assert h.ledger() == [{"order": "A1"}], "the fenced charge ran twice"
     assert await h.stop() == 0

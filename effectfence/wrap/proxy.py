@@ -241,10 +241,11 @@ _CALL_FIELDS = frozenset({"name", "arguments", "_meta"})
 
 
 def _fold(key: str) -> str:
-    """The name some reader takes ``key`` for: cut at a NUL (a C string), then folded
-    character by character (simple case folding, as Go's: the long s is s, and the Kelvin
-    sign k, but ß stays ß)."""
-    key = key.split("\x00", 1)[0]
+    """The name some reader takes ``key`` for: cut at a NUL (a C string), without ``_``
+    and ``-`` (Go's encoding/json/v2 ignores them when it matches names without case:
+    ``me_thod`` is ``method`` there, found by review), folded character by character
+    (simple case folding, as Go's: the long s is s, and the Kelvin sign k, but ß stays ß)."""
+    key = key.split("\x00", 1)[0].replace("_", "").replace("-", "")
     if key.isascii():
         return key.lower()
     return "".join(f if len(f := c.casefold()) == 1 else c for c in key)
@@ -271,9 +272,10 @@ def _read(pairs: list[tuple[str, Any]]) -> _Read:
 
 
 def _field_like(obj: dict[str, Any], fields: frozenset[str]) -> str | None:
+    folded = {_fold(f): f for f in fields}
     for key in obj:
-        if key not in fields and _fold(key) in fields:
-            return f"the key {key!r}, which some readers take for {_fold(key)!r}"
+        if key not in fields and _fold(key) in folded:
+            return f"the key {key!r}, which some readers take for {folded[_fold(key)]!r}"
     return None
 
 
@@ -304,6 +306,10 @@ def _ambiguity(line: bytes) -> str | None:
     order than the one fenced runs twice); keys alike but for case deeper in other messages
     are the child's business. Such a line is refused, never relayed or written again: the
     wrapper cannot know which reading the child has."""
+    if b"\\u0000" in line:
+        # C readers end a key or a string at a NUL: "tools/call\u0000" is a tool call to
+        # them, "A1\u0000x" order A1 (found by review). No message needs one: refused
+        return "a NUL character (\\u0000), where C readers end a key or a string"
     try:
         read = json.loads(line, object_pairs_hook=_read)
     except RecursionError:
