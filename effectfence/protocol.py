@@ -386,6 +386,18 @@ def judge_ticket(
             committed_by_this_ticket=True,
             cert_hash=getattr(record.cert, "hash", None),
         )
+    if current:
+        # this very ticket finished the intent (a retried abort whose first answer was lost):
+        # "token N is not the current lease; current token N" contradicted itself (review)
+        return verdict, LeaseLost(
+            f"can't {op} {intent!r}: state={row.value}, this ticket (token {token}) already "
+            f"finished it; its lease is over",
+            intent=intent,
+            state=row.value,
+            token=token,
+            holder=holder,
+            finished_by_this_ticket=True,
+        )
     held = "" if record is None else f"; current token {record.token}"
     return verdict, LeaseLost(
         f"can't {op} {intent!r}: state={row.value}, token {token} is not the current lease{held}",

@@ -259,3 +259,87 @@ def test_a_read_set_that_is_not_a_list_is_a_counted_refusal() -> None:
             fence.request("i", "d", "t", {}, "a", read_set=bad)  # type: ignore[arg-type]
     assert fence.stats()["prepare"]["invalid_request"] == 3
     assert fence.intent_status("i").state == "absent"
+
+
+async def test_a_cancel_that_lands_after_the_step_releases_the_fresh_ticket(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client's cancel processed after an offloaded prepare finished but before its task
+    resumed was not delivered at the await (the future was done): the tool answered fresh,
+    the SDK dropped the answer as cancelled, and the intent stayed held by nobody until the
+    lease lapsed (found by review). The cancel is fed through the server's own dispatcher
+    in the very loop iteration the step's future is done; no sleep decides the race."""
+    import asyncio
+
+    import anyio
+    from mcp import Client
+    from mcp.shared.jsonrpc_dispatcher import JSONRPCDispatcher
+    from mcp_types import JSONRPCNotification
+
+    from effectfence.mcp.telemetry import Metrics
+
+    fence = EffectFence.from_url(f"sqlite:///{tmp_path}/f.db", FenceConfig(lease_ttl=600))
+    metrics = Metrics()
+    server = build_server(fence, metrics=metrics)
+    dispatchers: list[Any] = []
+    dispatch = JSONRPCDispatcher._dispatch_request
+
+    async def capture(self: Any, request: Any, *a: Any, **kw: Any) -> Any:
+        if request.method == "tools/call" and self not in dispatchers:
+            dispatchers.append(self)
+        return await dispatch(self, request, *a, **kw)
+
+    monkeypatch.setattr(JSONRPCDispatcher, "_dispatch_request", capture)
+    delivered = anyio.Event()
+    answers: list[Any] = []
+    loop = asyncio.get_running_loop()
+
+    async def ignore(*_: Any) -> None:
+        return None
+
+    def poll() -> None:
+        for dispatcher in dispatchers:
+            for rid, entry in list(dispatcher._in_flight.items()):
+                waiter = getattr(entry.scope._host_task, "_fut_waiter", None)
+                if waiter is not None and waiter.done():
+                    params = {"requestId": rid, "reason": "client timed out"}
+                    note = JSONRPCNotification(
+                        jsonrpc="2.0", method="notifications/cancelled", params=params
+                    )
+                    dispatcher._dispatch_notification(note, None, ignore, None)
+                    delivered.set()
+                    return
+        loop.call_soon(poll)
+
+    try:
+        async with Client(server, mode="legacy") as client, anyio.create_task_group() as tg:
+
+            async def call() -> None:
+                answers.append(await client.call_tool("fence_prepare", req("c1")))
+
+            tg.start_soon(call)
+            loop.call_soon(poll)
+            with anyio.fail_after(10):
+                await delivered.wait()
+                while fence.intent_status("c1").state != "absent":
+                    await anyio.sleep(0.01)  # bounded: the release, or fail_after
+            tg.cancel_scope.cancel()
+        assert answers == []  # the ticket never reached the client
+        assert metrics.calls.get(("fence_release", "released")) == 1
+    finally:
+        fence.close()
+
+
+async def test_a_retried_abort_is_told_its_own_ticket_finished_the_intent() -> None:
+    """An abort repeated after a lost answer was refused "token 1 is not the current lease;
+    current token 1" (found by review): the code stays lease_lost, as the state table says,
+    and the message says this ticket finished it."""
+    fence = EffectFence()
+    async with connect(build_server(fence)) as client:
+        fresh = ok(await client.call_tool("fence_prepare", req("ab")))
+        wire = {"prepared": fresh["prepared"], "reason": "gateway timeout"}
+        ok(await client.call_tool("fence_abort", wire))
+        payload = refused(await client.call_tool("fence_abort", wire), "lease_lost")
+    assert "already finished it" in payload["message"], payload
+    assert "is not the current lease" not in payload["message"]
+    assert payload["details"]["finished_by_this_ticket"] is True

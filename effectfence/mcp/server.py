@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
+import anyio.lowlevel
 import pydantic_core
 from mcp.server import MCPServer
 from mcp.server.mcpserver import Context
@@ -465,7 +466,12 @@ class _FenceTools:
             return await self.readers.run(op, req, d)  # a read: nothing to finish or log
         job = asyncio.ensure_future(self.off_loop(op, req, d))
         try:
-            return await asyncio.shield(job)
+            result = await asyncio.shield(job)
+            # a cancel that came after the step finished but before this task resumed is
+            # not delivered at the await (its future was done): the SDK then drops the
+            # answer, and a fresh ticket nobody received stayed held (found by review)
+            await anyio.lowlevel.checkpoint_if_cancelled()
+            return result
         except asyncio.CancelledError:
             job.add_done_callback(functools.partial(self.after_cancel, d))
             raise
