@@ -1516,3 +1516,118 @@ async def test_a_nul_in_a_calls_name_or_arguments_never_makes_another_intent(
         assert got["error"]["code"] == -32600 and "NUL" in got["error"]["message"], got
     assert h.ledger() == [{"order": "A1"}], "the fenced charge ran twice"
     assert await h.stop() == 0
+
+
+# -- what the child's listing says, and which intent a call names --------------------------------
+
+LISTING_CHILD = [sys.executable, str(ROOT / "tests" / "fixtures" / "wrap_listing_child.py")]
+READ_ONLY = {"readOnlyHint": True}
+
+
+def _tool(name: str, annotations: dict[str, Any] | None = None) -> dict[str, Any]:
+    tool: dict[str, Any] = {"name": name, "inputSchema": {"type": "object"}}
+    if annotations is not None:
+        tool["annotations"] = annotations
+    return tool
+
+
+def _pages(path: Path, *pages: list[dict[str, Any]]) -> str:
+    path.write_text(json.dumps({"pages": list(pages)}))
+    return str(path)
+
+
+def _listing_runs(tmp: Path, name: str) -> int:
+    ledger = tmp / "listing_ledger.jsonl"
+    rows = ledger.read_text().splitlines() if ledger.exists() else []
+    return sum(1 for x in rows if json.loads(x)["name"] == name)
+
+
+@pytest.mark.parametrize("how", ["client page after the change", "own listing across it"])
+async def test_a_listing_begun_before_a_change_does_not_pass_a_now_destructive_tool(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """notifications/tools/list_changed only marked the tools unknown: the last page of any
+    listing, begun before the change (the client's own, with a cursor; or the wrapper's,
+    changed under it), made the stale readOnlyHint current again, and a tool that had
+    become destructive was passed through, twice (found by review)."""
+    destructive = {"readOnlyHint": False, "destructiveHint": True}
+    state = _pages(tmp_path / "s1.json", [_tool("sql", READ_ONLY)], [_tool("other")])
+    changed = _pages(tmp_path / "s2.json", [_tool("sql", destructive)], [_tool("other")])
+    env = {"WC_STATE": state, "WC_LEDGER": str(tmp_path / "listing_ledger.jsonl")}
+    if how == "own listing across it":
+        env["WC_FLIP"] = changed
+    h = Harness(tmp_path, monkeypatch, child=LISTING_CHILD, **env)
+    if how == "client page after the change":
+        await h.start()
+        Path(state).write_text(Path(changed).read_text())
+        await h.answer(h.send("poke"))  # the child announces the change
+        await h.answer(h.send("tools/list", {"cursor": "p1"}))  # the client's second page
+    else:
+        await h.start(list_tools=False)
+    call = {"name": "sql", "arguments": {"q": "DELETE FROM orders"}}
+    await h.answer(h.send("tools/call", call))
+    again = await h.answer(h.send("tools/call", call))
+    assert mark(again)["replayed"] is True
+    assert _listing_runs(tmp_path, "sql") == 1, "a destructive call passed through, twice"
+    assert await h.stop() == 0
+
+
+async def test_a_tool_listed_twice_is_fenced_unless_read_only_each_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last entry won: `charge` listed destructive, then again read-only on a later
+    page, was passed through (found by review). Contradicting annotations: fenced."""
+    state = _pages(
+        tmp_path / "s.json",
+        [_tool("charge", {"destructiveHint": True}), _tool("peek", READ_ONLY)],
+        [_tool("charge", READ_ONLY), _tool("peek", READ_ONLY)],
+    )
+    env = {"WC_STATE": state, "WC_LEDGER": str(tmp_path / "listing_ledger.jsonl")}
+    h = Harness(tmp_path, monkeypatch, child=LISTING_CHILD, **env)
+    await h.start(list_tools=False)
+    for _ in range(2):
+        await h.answer(h.send("tools/call", {"name": "charge", "arguments": {"order": 1}}))
+        await h.answer(h.send("tools/call", {"name": "peek", "arguments": {}}))
+    assert _listing_runs(tmp_path, "charge") == 1, "charge ran twice: passed through"
+    assert _listing_runs(tmp_path, "peek") == 2  # read-only both times: passed through
+    assert await h.stop() == 0
+
+
+async def test_a_domain_filled_from_an_object_is_the_same_whatever_its_key_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The domain template was filled with str() of an object argument, which keeps key
+    order: the same call with its keys in another order named the same intent under
+    another domain and was refused intent_conflict instead of replayed (found by review).
+    Objects fill it as canonical JSON, an integral float as its integer."""
+    policy = Policy.from_dict({"tools": {"charge": {"domain": "acct:{customer}:{n}"}}})
+    h = Harness(tmp_path, monkeypatch, policy=policy)
+    await h.start()
+    first = {"customer": {"id": 7, "region": "eu"}, "n": 1, "order": 1}
+    again = {"order": 1, "n": 1.0, "customer": {"region": "eu", "id": 7}}
+    assert text(await h.answer(h.send("tools/call", {"name": "charge", "arguments": first})))
+    got = await h.answer(h.send("tools/call", {"name": "charge", "arguments": again}))
+    assert mark(got)["replayed"] is True, got
+    assert len(h.ledger()) == 1
+    assert await h.stop() == 0
+
+
+def test_the_default_scope_takes_in_a_relative_command_and_config_paths(tmp_path: Path) -> None:
+    """./server in a/ and in b/ are two programs, as are DB_PATH=./shop.db in each: the
+    command was skipped and config values were not looked at (found by review). And a
+    relative data file that does not exist yet is named, as the scope changes once it
+    does (the wrapper warns at start)."""
+    from effectfence.wrap.proxy import _not_yet_there, default_namespace
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        d.mkdir()
+        (d / "server").write_text("#!/bin/sh\n")
+        (d / "shop.db").touch()
+    assert default_namespace(["./server"], {}, str(a)) != default_namespace(
+        ["./server"], {}, str(b)
+    )
+    env = {"DB_PATH": "./shop.db"}
+    assert default_namespace(["srv"], env, str(a)) != default_namespace(["srv"], env, str(b))
+    argv = ["uvx", "mcp-server-sqlite", "--db-path", "new.db", "@scope/pkg", "--x=data/out.csv"]
+    assert _not_yet_there(argv, str(a)) == ["new.db", "data/out.csv"]

@@ -90,6 +90,8 @@ LINE_LIMIT = 1 << 26  # 64 MiB: a resource read can be large; one line is one me
 MAX_DEPTH = 512
 #: pages of a tools/list the wrapper reads before it stops (tools past them are fenced)
 MAX_TOOL_PAGES = 1000
+#: listings the wrapper begins again when the child announces a change during one
+LISTING_ATTEMPTS = 3
 #: results are recorded, and arguments read, up to this size (the fence's default is 1 MiB:
 #: too small for tools that write files or return tables)
 MAX_RESULT_BYTES = 16 << 20
@@ -382,9 +384,11 @@ def default_namespace(
     env = os.environ if env is None else env
     config = {k: v for k, v in env.items() if _CONFIG_ENV.search(k) and not _SESSION_ENV.match(k)}
     here = os.getcwd() if cwd is None else cwd
+    # the command itself too (./server in a/ and in b/ are two programs, found by review),
+    # and the values of the variables that configure it (DB_PATH=./shop.db)
     relative = any(
         not os.path.isabs(value) and os.path.exists(os.path.join(here, value))
-        for arg in argv[1:]
+        for arg in [*argv, *config.values()]
         for value in {arg, arg.partition("=")[2]}
         if value
     )
@@ -392,6 +396,32 @@ def default_namespace(
     if config or relative:
         scope = {"argv": list(argv), "env": config, "cwd": here if relative else None}
     return f"cmd-{hashlib.sha256(canonical_bytes(scope)).hexdigest()[:16]}"
+
+
+#: a file name a server keeps its data in, created on its first run
+_DATA_FILE = re.compile(
+    r"\.(db|sqlite3?|duckdb|json|jsonl|csv|tsv|txt|ya?ml|toml|md|log|parquet)$", re.IGNORECASE
+)
+
+
+def _not_yet_there(argv: Sequence[str], cwd: str | None = None) -> list[str]:
+    """Arguments that look like relative file paths (a separator, or a file extension)
+    and do not exist: the default scope will change once they do."""
+    here = os.getcwd() if cwd is None else cwd
+    out = []
+    for arg in argv[1:]:
+        for value in {arg, arg.partition("=")[2]}:
+            if (
+                value
+                and not value.startswith("-")
+                and not os.path.isabs(value)
+                and not value.startswith("@")  # a package: @scope/name
+                and ("/" in value or _DATA_FILE.search(value))
+                and "://" not in value
+                and not os.path.exists(os.path.join(here, value))
+            ):
+                out.append(value)
+    return out
 
 
 def _tool_label(name: str) -> str:
@@ -471,8 +501,9 @@ class Child:
         #: ids of the client's requests relayed to this child, which it owes answers (until
         #: it answers, or the client cancels: see Proxy._forget_relayed)
         self.relayed: set[Any] = set()
-        #: the wrapper's tools/list requests for a client: own id -> (client id, first page)
-        self.listings: dict[str, tuple[Any, bool]] = {}
+        #: the wrapper's tools/list requests for a client: own id -> (client id, first page,
+        #: the tools' generation it was sent in)
+        self.listings: dict[str, tuple[Any, bool, int]] = {}
         self.alive = True
         self.ready = asyncio.Event()  # set once the handshake (if any) is replayed
 
@@ -546,6 +577,17 @@ class Proxy:
         self.allow_clear = allow_clear
         ns = namespace or self.policy.namespace
         self.namespace = _ascii(ns if ns is not None else default_namespace(argv))
+        if ns is None:
+            for path in _not_yet_there(argv):
+                # the scope takes in the working directory once a relative path exists: a
+                # file the server creates on its first run changes it, and a restart would
+                # not find what the first run recorded (found by review)
+                _stderr(
+                    f"{path!r} looks like a relative path that does not exist yet: if the "
+                    "server creates it, the scope of its intents changes once it does, and "
+                    "a restarted wrapper will not find what was recorded before. Give it a "
+                    "fixed scope: --namespace NAME (or namespace in the policy)"
+                )
         self.store_url = store_url
         if is_memory_url(store_url):
             self.store: Any = MemoryStore()
@@ -570,6 +612,10 @@ class Proxy:
         self.tools: dict[str, Any] = {}  # child tool name -> annotations
         self.tools_known = False
         self._listing_names: set[str] = set()
+        #: bumped by each notifications/tools/list_changed; a listing is current only if it
+        #: began (its first page) in the generation it ended in
+        self._generation = 0
+        self._listing_generation = -1
         self.own_names = {role: f"effectfence_{role}" for role in _OWN_TOOLS}
         self.calls: dict[Any, _Call] = {}
         #: client request ids on their way to a child (it may be starting): id -> how many
@@ -746,7 +792,7 @@ class Proxy:
                 "is restarted for later calls",
             )
         listings, child.listings = child.listings, {}
-        for cid, _ in listings.values():
+        for cid, _, _ in listings.values():
             self._client_error(
                 cid,
                 -32603,
@@ -1050,7 +1096,7 @@ class Proxy:
         child = self.child
         if child is None or not _is_id(cid):
             return False
-        own = next((o for o, (c, _) in child.listings.items() if c == cid), None)
+        own = next((o for o, (c, _, _) in child.listings.items() if c == cid), None)
         if own is None:
             return False
         del child.listings[own]
@@ -1133,7 +1179,12 @@ class Proxy:
                 if isinstance(m, dict) and "method" not in m and _is_id(m.get("id"))
             )
         elif isinstance(msg, dict) and msg.get("method") == "notifications/tools/list_changed":
-            self.tools_known = False  # annotations may have changed: learn them again
+            # annotations may have changed: forget them (every call is fenced until they are
+            # learned again), and no listing begun before this counts as current. Kept, a
+            # stale readOnlyHint passed a tool that had become destructive (found by review)
+            self.tools_known = False
+            self.tools = {}
+            self._generation += 1
         if garbled:
             _stderr("the server wrote a line that is not valid UTF-8; relayed it as it came")
         self.write_client(line)  # byte for byte: a lenient client may read it
@@ -1155,7 +1206,7 @@ class Proxy:
                 fut.set_exception(ChildGone(why))  # an unreadable answer: outcome unknown
             return
         if listing is not None:
-            self._listed(listing[0], listing[1], msg)
+            self._listed(listing[0], listing[1], listing[2], msg)
             return
         if fut is not None and not fut.done():
             fut.set_result(msg)
@@ -1173,7 +1224,7 @@ class Proxy:
         own = self._own_id()
         try:
             child = await self.ensure_child()
-            child.listings[own] = (cid, first)
+            child.listings[own] = (cid, first, self._generation)
             try:
                 child.write(self._for_child({**msg, "id": own}))
             except ChildGone:
@@ -1182,26 +1233,36 @@ class Proxy:
         except ChildGone as exc:
             self._client_error(cid, -32603, f"effectfence wrap: {exc}")
 
-    def _note_tools(self, result: dict[str, Any], first: bool) -> list[Any] | None:
+    def _note_tools(self, result: dict[str, Any], first: bool, generation: int) -> list[Any] | None:
+        """One page of a listing whose request was sent in ``generation``: a first page
+        answered after a change it was sent before is stale, though it arrives after."""
         tools = result.get("tools")
         if not isinstance(tools, list):
             return None
         if first:
             self._listing_names = set()
             self.tools = {}
+            self._listing_generation = generation
         for tool in tools:
             if isinstance(tool, dict) and type(tool.get("name")) is str:
-                self.tools[tool["name"]] = tool.get("annotations")
-                self._listing_names.add(tool["name"])
-        if _last_page(result):
+                name, annotations = tool["name"], tool.get("annotations")
+                if name in self._listing_names and not (
+                    _read_only(self.tools.get(name)) and _read_only(annotations)
+                ):
+                    # listed twice, not read-only both times: fenced. The last entry won, and
+                    # a later readOnlyHint passed a destructive tool (found by review)
+                    annotations = None
+                self.tools[name] = annotations
+                self._listing_names.add(name)
+        if _last_page(result) and self._listing_generation == self._generation:
             self.tools_known = True
             self._name_own_tools(self._listing_names)
         return tools
 
-    def _listed(self, cid: Any, first: bool, msg: dict[str, Any]) -> None:
+    def _listed(self, cid: Any, first: bool, generation: int, msg: dict[str, Any]) -> None:
         result = msg.get("result")
         if isinstance(result, dict):
-            tools = self._note_tools(result, first)
+            tools = self._note_tools(result, first, generation)
             if tools is not None and _last_page(result):
                 result = {**result, "tools": [*tools, *self._own_tool_defs()]}
                 msg = {**msg, "result": result}
@@ -1222,6 +1283,16 @@ class Proxy:
         """Learn the child's tools (and their annotations) before the first decision."""
         if self.tools_known:
             return
+        for _ in range(LISTING_ATTEMPTS):
+            await self._list_tools()
+            if self.tools_known:
+                return
+        # the child keeps changing its tools while they are listed: what was learned last
+        # stands for no one; every call is fenced until a listing completes
+        self.tools = {}
+
+    async def _list_tools(self) -> None:
+        """One listing, page by page; it makes the tools known if no change came meanwhile."""
         cursor: Any = None
         first = True
         seen: set[str] = set()
@@ -1232,9 +1303,10 @@ class Proxy:
             if self.era != "legacy" and self.modern_meta:
                 params["_meta"] = dict(self.modern_meta)
             msg = {"jsonrpc": "2.0", "id": self._own_id(), "method": "tools/list", "params": params}
+            generation = self._generation
             resp = await self.child_request(msg)
             result = resp.get("result")
-            if not isinstance(result, dict) or self._note_tools(result, first) is None:
+            if not isinstance(result, dict) or self._note_tools(result, first, generation) is None:
                 self.tools_known = True  # a child that can't list: fence every call
                 self._name_own_tools(set(self.tools))
                 return
@@ -1455,8 +1527,12 @@ class Proxy:
         if tp.domain is None:
             domain = f"{self.namespace}:{tool}"
         else:
+            # filled with each argument as canonical JSON writes it where str() would not:
+            # str() of an object keeps its key order, so a retry with its keys in another
+            # order named the same intent under another domain and was refused (review)
+            fill = {k: _as_filled(v) for k, v in args.items()}
             try:
-                domain = _ascii(tp.domain.format_map({**args, "tool": name}))[:500]
+                domain = _ascii(tp.domain.format_map({**fill, "tool": name}))[:500]
             except (KeyError, IndexError, AttributeError, ValueError, TypeError) as exc:
                 raise InvalidRequest(
                     f"the policy's domain template {tp.domain!r} can't be filled from the "
@@ -1867,6 +1943,24 @@ class Proxy:
             with contextlib.suppress(Exception):
                 self.store.close()
         self.offloader.close()
+
+
+def _as_filled(value: Any) -> Any:
+    """An argument as a domain template gets it: strings, integers and booleans as they
+    are (a format spec applies to them); an integral float as its integer (1.0 is 1 to the
+    intent); anything else as its canonical JSON text."""
+    if type(value) in (str, int, bool) or value is None:
+        return value
+    if type(value) is float and value.is_integer() and abs(value) < 2**53:
+        return int(value)
+    try:
+        return canonical_bytes(value, max_depth=MAX_DEPTH).decode()
+    except CanonicalError:
+        return value  # refused with the arguments by the fence, typed
+
+
+def _read_only(annotations: Any) -> bool:
+    return isinstance(annotations, dict) and annotations.get("readOnlyHint") is True
 
 
 def _last_page(result: dict[str, Any]) -> bool:
