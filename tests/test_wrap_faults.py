@@ -1612,9 +1612,11 @@ async def test_a_domain_filled_from_an_object_is_the_same_whatever_its_key_order
     assert await h.stop() == 0
 
 
-def test_the_default_scope_takes_in_a_relative_command_and_config_paths(tmp_path: Path) -> None:
-    """./server in a/ and in b/ are two programs, as are DB_PATH=./shop.db in each: the
-    command was skipped and config values were not looked at (found by review). And a
+def test_the_default_scope_takes_in_a_relative_command_only(tmp_path: Path) -> None:
+    """./server in a/ and in b/ are two programs: the command was skipped (found by
+    review). A bare command is found on PATH, so a docker/ folder in the working directory
+    does not change docker's scope, nor a test/ folder a variable's value "test" (the
+    review of that fix: it changed the scope of commands that had not changed). And a
     relative data file that does not exist yet is named, as the scope changes once it
     does (the wrapper warns at start)."""
     from effectfence.wrap.proxy import _not_yet_there, default_namespace
@@ -1623,11 +1625,106 @@ def test_the_default_scope_takes_in_a_relative_command_and_config_paths(tmp_path
     for d in (a, b):
         d.mkdir()
         (d / "server").write_text("#!/bin/sh\n")
-        (d / "shop.db").touch()
-    assert default_namespace(["./server"], {}, str(a)) != default_namespace(
-        ["./server"], {}, str(b)
-    )
-    env = {"DB_PATH": "./shop.db"}
-    assert default_namespace(["srv"], env, str(a)) != default_namespace(["srv"], env, str(b))
+        (d / "docker").mkdir()
+        (d / "test").mkdir()
+    command = ["./server"]
+    assert default_namespace(command, {}, str(a)) != default_namespace(command, {}, str(b))
+    docker = ["docker", "run", "-i", "--rm", "mcp/stripe"]
+    old = "cmd-" + hashlib.sha256(canonical_bytes(docker)).hexdigest()[:16]
+    assert default_namespace(docker, {}, str(a)) == old
+    env = {"DATABASE": "test"}
+    assert default_namespace(["srv"], env, str(a)) == default_namespace(["srv"], env, str(b))
     argv = ["uvx", "mcp-server-sqlite", "--db-path", "new.db", "@scope/pkg", "--x=data/out.csv"]
     assert _not_yet_there(argv, str(a)) == ["new.db", "data/out.csv"]
+
+
+_LATE_LISTING_CHILD = r"""
+import json, os, sys
+READ_ONLY = {"readOnlyHint": True}
+DESTRUCTIVE = {"readOnlyHint": False, "destructiveHint": True}
+
+
+def tools(annotations):
+    return [{"name": "sql", "inputSchema": {"type": "object"}, "annotations": annotations}]
+
+
+state = tools(READ_ONLY)
+held = None
+
+
+def send(msg):
+    sys.stdout.write(json.dumps(msg) + "\n")
+    sys.stdout.flush()
+
+
+for line in sys.stdin:
+    msg = json.loads(line)
+    rid, method = msg.get("id"), msg.get("method")
+    if rid is None:
+        continue
+    if method == "initialize":
+        caps = {"tools": {"listChanged": True}}
+        result = {"protocolVersion": "2025-06-18", "capabilities": caps}
+        send({"jsonrpc": "2.0", "id": rid, "result": {**result, "serverInfo": {"name": "o"}}})
+    elif method == "tools/list":
+        if held is None:
+            held = (rid, list(state))  # the tools as they are now, answered later
+        else:
+            send({"jsonrpc": "2.0", "id": rid, "result": {"tools": state}})
+    elif method == "poke":
+        state = tools(DESTRUCTIVE)
+        send({"jsonrpc": "2.0", "method": "notifications/tools/list_changed"})
+        send({"jsonrpc": "2.0", "id": rid, "result": {}})
+    elif method == "release":
+        send({"jsonrpc": "2.0", "id": held[0], "result": {"tools": held[1]}})
+        send({"jsonrpc": "2.0", "id": rid, "result": {}})
+    elif method == "tools/call":
+        with open(os.environ["LATE_LEDGER"], "a") as fh:
+            fh.write(json.dumps(msg["params"]) + "\n")
+        done = {"content": [{"type": "text", "text": "done"}]}
+        send({"jsonrpc": "2.0", "id": rid, "result": done})
+    else:
+        send({"jsonrpc": "2.0", "id": rid, "result": {}})
+"""
+
+
+async def test_a_listing_page_answered_after_a_change_never_makes_stale_annotations_known(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A page requested before a tools change but answered after a current listing had
+    made the tools known (an asynchronous server answers out of order) still reset them to
+    its stale readOnlyHint, and a destructive call passed through (found by review). A page
+    requested before the change is relayed and never learned from."""
+    script = tmp_path / "late_child.py"
+    script.write_text(_LATE_LISTING_CHILD)
+    ledger = tmp_path / "late.jsonl"
+    h = Harness(tmp_path, monkeypatch, child=[sys.executable, str(script)], LATE_LEDGER=str(ledger))
+    await h.start(list_tools=False)
+    stale = h.send("tools/list")  # the child holds it, with sql read-only
+    await h.answer(h.send("poke"))  # sql becomes destructive: list_changed
+    call = {"name": "sql", "arguments": {"q": "DELETE FROM orders"}}
+    assert mark(await h.answer(h.send("tools/call", call)))["replayed"] is False
+    await h.answer(h.send("release"))
+    await h.answer(stale)  # the stale page reaches the wrapper, and its client
+    assert mark(await h.answer(h.send("tools/call", call)))["replayed"] is True
+    assert len(ledger.read_text().splitlines()) == 1
+    assert await h.stop() == 0
+
+
+async def test_a_domain_template_still_indexes_an_object_argument(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Objects fill a domain template as canonical JSON, but {customer[id]} and {items[0]}
+    still index them (turned into JSON text first, every such call was refused: found by
+    review of that change), and a float keeps its format spec."""
+    domain = "acct:{customer[id]}:{items[0]}:{amount:.2f}"
+    policy = Policy.from_dict({"tools": {"charge": {"domain": domain}}})
+    h = Harness(tmp_path, monkeypatch, policy=policy)
+    await h.start()
+    args = {"customer": {"id": 7, "region": "eu"}, "items": ["A1"], "amount": 5.5, "order": 1}
+    got = await h.answer(h.send("tools/call", {"name": "charge", "arguments": args}))
+    assert text(got) == "charged", got
+    assert h.proxy.request_for("charge", args, policy.for_tool("charge")).domain == (
+        "acct:7:A1:5.50"
+    )
+    assert await h.stop() == 0

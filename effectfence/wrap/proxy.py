@@ -384,11 +384,12 @@ def default_namespace(
     env = os.environ if env is None else env
     config = {k: v for k, v in env.items() if _CONFIG_ENV.search(k) and not _SESSION_ENV.match(k)}
     here = os.getcwd() if cwd is None else cwd
-    # the command itself too (./server in a/ and in b/ are two programs, found by review),
-    # and the values of the variables that configure it (DB_PATH=./shop.db)
+    # the command too when it is a path (./server in a/ and in b/ are two programs, found
+    # by review); a bare name is found on PATH, whatever sits in the working directory
+    command = argv[:1] if argv and ("/" in argv[0] or os.sep in argv[0]) else []
     relative = any(
         not os.path.isabs(value) and os.path.exists(os.path.join(here, value))
-        for arg in [*argv, *config.values()]
+        for arg in [*command, *argv[1:]]
         for value in {arg, arg.partition("=")[2]}
         if value
     )
@@ -1239,6 +1240,10 @@ class Proxy:
         tools = result.get("tools")
         if not isinstance(tools, list):
             return None
+        if generation != self._generation:
+            # requested before a change: relayed (a client's), never learned from. Learned,
+            # a page answered late overwrote what a current listing had made known (review)
+            return tools
         if first:
             self._listing_names = set()
             self.tools = {}
@@ -1307,8 +1312,9 @@ class Proxy:
             resp = await self.child_request(msg)
             result = resp.get("result")
             if not isinstance(result, dict) or self._note_tools(result, first, generation) is None:
-                self.tools_known = True  # a child that can't list: fence every call
-                self._name_own_tools(set(self.tools))
+                if generation == self._generation:  # a child that can't list: fence every call
+                    self.tools, self.tools_known = {}, True
+                    self._name_own_tools(set())
                 return
             first = False
             if _last_page(result):
@@ -1319,8 +1325,9 @@ class Proxy:
                 # call that asked waiting (found by review: "" asked 67,855 times in 5 s):
                 # what is listed is known, and a tool never listed is fenced
                 _stderr("the server's tool listing does not end; using what it listed")
-                self.tools_known = True
-                self._name_own_tools(self._listing_names)
+                if self._listing_generation == self._generation == generation:
+                    self.tools_known = True
+                    self._name_own_tools(self._listing_names)
                 return
             seen.add(cursor)
 
@@ -1946,17 +1953,37 @@ class Proxy:
 
 
 def _as_filled(value: Any) -> Any:
-    """An argument as a domain template gets it: strings, integers and booleans as they
-    are (a format spec applies to them); an integral float as its integer (1.0 is 1 to the
-    intent); anything else as its canonical JSON text."""
-    if type(value) in (str, int, bool) or value is None:
-        return value
+    """An argument as a domain template gets it: strings, integers, booleans and floats as
+    they are (a format spec applies to them), but an integral float as its integer (1.0 is
+    1 to the intent); an object or a list as :class:`_Canonical`."""
     if type(value) is float and value.is_integer() and abs(value) < 2**53:
         return int(value)
-    try:
-        return canonical_bytes(value, max_depth=MAX_DEPTH).decode()
-    except CanonicalError:
-        return value  # refused with the arguments by the fence, typed
+    if isinstance(value, dict | list):
+        return _Canonical(value)
+    return value
+
+
+class _Canonical:
+    """An object or list argument in a domain template: written as canonical JSON (str()
+    kept its key order, so a retry with its keys in another order was refused, found by
+    review), indexed as the value is (``{customer[id]}``, ``{items[0]}``)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: dict[str, Any] | list[Any]) -> None:
+        self.value = value
+
+    def __getitem__(self, key: Any) -> Any:
+        return _as_filled(self.value[key])
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
+    def __str__(self) -> str:
+        try:
+            return canonical_bytes(self.value, max_depth=MAX_DEPTH).decode()
+        except CanonicalError:  # refused with the arguments by the fence, typed
+            return repr(self.value)
 
 
 def _read_only(annotations: Any) -> bool:
