@@ -1638,56 +1638,6 @@ def test_the_default_scope_takes_in_a_relative_command_only(tmp_path: Path) -> N
     assert _not_yet_there(argv, str(a)) == ["new.db", "data/out.csv"]
 
 
-_LATE_LISTING_CHILD = r"""
-import json, os, sys
-READ_ONLY = {"readOnlyHint": True}
-DESTRUCTIVE = {"readOnlyHint": False, "destructiveHint": True}
-
-
-def tools(annotations):
-    return [{"name": "sql", "inputSchema": {"type": "object"}, "annotations": annotations}]
-
-
-state = tools(READ_ONLY)
-held = None
-
-
-def send(msg):
-    sys.stdout.write(json.dumps(msg) + "\n")
-    sys.stdout.flush()
-
-
-for line in sys.stdin:
-    msg = json.loads(line)
-    rid, method = msg.get("id"), msg.get("method")
-    if rid is None:
-        continue
-    if method == "initialize":
-        caps = {"tools": {"listChanged": True}}
-        result = {"protocolVersion": "2025-06-18", "capabilities": caps}
-        send({"jsonrpc": "2.0", "id": rid, "result": {**result, "serverInfo": {"name": "o"}}})
-    elif method == "tools/list":
-        if held is None:
-            held = (rid, list(state))  # the tools as they are now, answered later
-        else:
-            send({"jsonrpc": "2.0", "id": rid, "result": {"tools": state}})
-    elif method == "poke":
-        state = tools(DESTRUCTIVE)
-        send({"jsonrpc": "2.0", "method": "notifications/tools/list_changed"})
-        send({"jsonrpc": "2.0", "id": rid, "result": {}})
-    elif method == "release":
-        send({"jsonrpc": "2.0", "id": held[0], "result": {"tools": held[1]}})
-        send({"jsonrpc": "2.0", "id": rid, "result": {}})
-    elif method == "tools/call":
-        with open(os.environ["LATE_LEDGER"], "a") as fh:
-            fh.write(json.dumps(msg["params"]) + "\n")
-        done = {"content": [{"type": "text", "text": "done"}]}
-        send({"jsonrpc": "2.0", "id": rid, "result": done})
-    else:
-        send({"jsonrpc": "2.0", "id": rid, "result": {}})
-"""
-
-
 async def test_a_listing_page_answered_after_a_change_never_makes_stale_annotations_known(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1695,10 +1645,14 @@ async def test_a_listing_page_answered_after_a_change_never_makes_stale_annotati
     made the tools known (an asynchronous server answers out of order) still reset them to
     its stale readOnlyHint, and a destructive call passed through (found by review). A page
     requested before the change is relayed and never learned from."""
-    script = tmp_path / "late_child.py"
-    script.write_text(_LATE_LISTING_CHILD)
-    ledger = tmp_path / "late.jsonl"
-    h = Harness(tmp_path, monkeypatch, child=[sys.executable, str(script)], LATE_LEDGER=str(ledger))
+    destructive = {"readOnlyHint": False, "destructiveHint": True}
+    env = {
+        "WC_STATE": _pages(tmp_path / "s1.json", [_tool("sql", READ_ONLY)]),
+        "WC_POKE_STATE": _pages(tmp_path / "s2.json", [_tool("sql", destructive)]),
+        "WC_HOLD_FIRST": "1",
+        "WC_LEDGER": str(tmp_path / "listing_ledger.jsonl"),
+    }
+    h = Harness(tmp_path, monkeypatch, child=LISTING_CHILD, **env)
     await h.start(list_tools=False)
     stale = h.send("tools/list")  # the child holds it, with sql read-only
     await h.answer(h.send("poke"))  # sql becomes destructive: list_changed
@@ -1707,7 +1661,7 @@ async def test_a_listing_page_answered_after_a_change_never_makes_stale_annotati
     await h.answer(h.send("release"))
     await h.answer(stale)  # the stale page reaches the wrapper, and its client
     assert mark(await h.answer(h.send("tools/call", call)))["replayed"] is True
-    assert len(ledger.read_text().splitlines()) == 1
+    assert _listing_runs(tmp_path, "sql") == 1
     assert await h.stop() == 0
 
 
