@@ -343,3 +343,75 @@ async def test_a_retried_abort_is_told_its_own_ticket_finished_the_intent() -> N
     assert "already finished it" in payload["message"], payload
     assert "is not the current lease" not in payload["message"]
     assert payload["details"]["finished_by_this_ticket"] is True
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_under_trio_a_cancel_during_the_step_releases_the_fresh_ticket(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, anyio_backend: str
+) -> None:
+    """The after-step cancel fix covered asyncio only: on trio the step ran unshielded in
+    anyio's thread, the cancel was held back until it finished, the tool answered fresh and
+    the SDK dropped the answer, leaving the intent held by nobody (found by review). The
+    step's thread is held at a gate while the cancel lands; no sleep decides the race."""
+    import threading
+
+    import anyio
+    from mcp import Client
+    from mcp.shared.jsonrpc_dispatcher import JSONRPCDispatcher
+    from mcp_types import JSONRPCNotification
+
+    from effectfence.mcp.telemetry import Metrics
+
+    fence = EffectFence.from_url(f"sqlite:///{tmp_path}/f.db", FenceConfig(lease_ttl=600))
+    metrics = Metrics()
+    server = build_server(fence, metrics=metrics)
+    dispatchers: list[Any] = []
+    dispatch = JSONRPCDispatcher._dispatch_request
+
+    async def capture(self: Any, request: Any, *a: Any, **kw: Any) -> Any:
+        if request.method == "tools/call" and self not in dispatchers:
+            dispatchers.append(self)
+        return await dispatch(self, request, *a, **kw)
+
+    monkeypatch.setattr(JSONRPCDispatcher, "_dispatch_request", capture)
+    entered, gate = threading.Event(), threading.Event()
+    real_request = fence.request
+
+    def gated_request(*a: Any, **kw: Any) -> Any:
+        out = real_request(*a, **kw)  # the claim is made, and the thread is still in the
+        entered.set()  # step when the cancel lands
+        gate.wait(10)
+        return out
+
+    monkeypatch.setattr(fence, "request", gated_request)
+
+    async def ignore(*_: Any) -> None:
+        return None
+
+    answers: list[Any] = []
+    try:
+        async with Client(server, mode="legacy") as client, anyio.create_task_group() as tg:
+
+            async def call() -> None:
+                answers.append(await client.call_tool("fence_prepare", req("t1")))
+
+            tg.start_soon(call)
+            with anyio.fail_after(10):
+                while not entered.is_set():
+                    await anyio.sleep(0.01)
+                (dispatcher,) = dispatchers
+                (rid,) = list(dispatcher._in_flight)
+                params = {"requestId": rid, "reason": "client timed out"}
+                note = JSONRPCNotification(
+                    jsonrpc="2.0", method="notifications/cancelled", params=params
+                )
+                dispatcher._dispatch_notification(note, None, ignore, None)
+                gate.set()
+                while fence.intent_status("t1").state != "absent":
+                    await anyio.sleep(0.01)  # bounded: the release, or fail_after
+            tg.cancel_scope.cancel()
+        assert answers == []
+        assert metrics.calls.get(("fence_release", "released")) == 1
+    finally:
+        gate.set()
+        fence.close()

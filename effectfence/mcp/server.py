@@ -460,8 +460,17 @@ class _FenceTools:
         (:meth:`after_cancel`)."""
         try:
             asyncio.get_running_loop()
-        except RuntimeError:
-            return await self.off_loop(op, req, d)
+        except RuntimeError:  # not asyncio (trio): the same, with anyio's shield (review)
+            with anyio.CancelScope(shield=True):
+                result = await self.off_loop(op, req, d)
+            try:
+                await anyio.lowlevel.checkpoint_if_cancelled()
+            except anyio.get_cancelled_exc_class():
+                if not read_only:
+                    with anyio.CancelScope(shield=True):
+                        await self._undelivered(d)
+                raise
+            return result
         if read_only:
             return await self.readers.run(op, req, d)  # a read: nothing to finish or log
         job = asyncio.ensure_future(self.off_loop(op, req, d))
@@ -492,23 +501,40 @@ class _FenceTools:
         self.metrics.observe(d)
         ticket = d.ticket
         if ticket is not None and d.outcome in ("fresh", "takeover"):
-            undelivered = Decision("fence_release", d.principal)
-            undelivered.transport = d.transport
-            undelivered.intent, undelivered.domain = d.intent, d.domain
-            undelivered.token = ticket.token
 
             def released(step: asyncio.Future[Any]) -> None:
                 failed = step.exception() if not step.cancelled() else None
-                undelivered.outcome = (
-                    "released" if failed is None else getattr(failed, "code", "error")
-                )
-                undelivered.log()
-                self.metrics.observe(undelivered)
+                self._note_release(d, failed)
 
             step = asyncio.ensure_future(self.off_loop(self.fence.release, ticket))
             step.add_done_callback(released)
             self._background.add(step)
             step.add_done_callback(self._background.discard)
+
+    async def _undelivered(self, d: Decision) -> None:
+        """:meth:`after_cancel` for a finished step, in the cancelled task itself (trio)."""
+        d.log()
+        self.metrics.observe(d)
+        ticket = d.ticket
+        if ticket is None or d.outcome not in ("fresh", "takeover"):
+            return
+        failed: BaseException | None = None
+        try:
+            await anyio.to_thread.run_sync(self.fence.release, ticket)
+        except Exception as exc:  # a refusal or the store's fault: logged, as after_cancel
+            failed = exc
+        self._note_release(d, failed)
+
+    def _note_release(self, d: Decision, failed: BaseException | None) -> None:
+        """Log and count the release of a fresh ticket its caller never received."""
+        assert d.ticket is not None
+        undelivered = Decision("fence_release", d.principal)
+        undelivered.transport = d.transport
+        undelivered.intent, undelivered.domain = d.intent, d.domain
+        undelivered.token = d.ticket.token
+        undelivered.outcome = "released" if failed is None else getattr(failed, "code", "error")
+        undelivered.log()
+        self.metrics.observe(undelivered)
 
     @staticmethod
     def _lease_left(granted: float, since: float) -> float:
