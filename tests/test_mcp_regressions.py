@@ -273,23 +273,9 @@ async def test_a_cancel_that_lands_after_the_step_releases_the_fresh_ticket(
 
     import anyio
     from mcp import Client
-    from mcp.shared.jsonrpc_dispatcher import JSONRPCDispatcher
     from mcp_types import JSONRPCNotification
 
-    from effectfence.mcp.telemetry import Metrics
-
-    fence = EffectFence.from_url(f"sqlite:///{tmp_path}/f.db", FenceConfig(lease_ttl=600))
-    metrics = Metrics()
-    server = build_server(fence, metrics=metrics)
-    dispatchers: list[Any] = []
-    dispatch = JSONRPCDispatcher._dispatch_request
-
-    async def capture(self: Any, request: Any, *a: Any, **kw: Any) -> Any:
-        if request.method == "tools/call" and self not in dispatchers:
-            dispatchers.append(self)
-        return await dispatch(self, request, *a, **kw)
-
-    monkeypatch.setattr(JSONRPCDispatcher, "_dispatch_request", capture)
+    fence, metrics, server, dispatchers = _cancellable_server(tmp_path, monkeypatch)
     delivered = anyio.Event()
     answers: list[Any] = []
     loop = asyncio.get_running_loop()
@@ -357,23 +343,9 @@ async def test_under_trio_a_cancel_during_the_step_releases_the_fresh_ticket(
 
     import anyio
     from mcp import Client
-    from mcp.shared.jsonrpc_dispatcher import JSONRPCDispatcher
     from mcp_types import JSONRPCNotification
 
-    from effectfence.mcp.telemetry import Metrics
-
-    fence = EffectFence.from_url(f"sqlite:///{tmp_path}/f.db", FenceConfig(lease_ttl=600))
-    metrics = Metrics()
-    server = build_server(fence, metrics=metrics)
-    dispatchers: list[Any] = []
-    dispatch = JSONRPCDispatcher._dispatch_request
-
-    async def capture(self: Any, request: Any, *a: Any, **kw: Any) -> Any:
-        if request.method == "tools/call" and self not in dispatchers:
-            dispatchers.append(self)
-        return await dispatch(self, request, *a, **kw)
-
-    monkeypatch.setattr(JSONRPCDispatcher, "_dispatch_request", capture)
+    fence, metrics, server, dispatchers = _cancellable_server(tmp_path, monkeypatch)
     entered, gate = threading.Event(), threading.Event()
     real_request = fence.request
 
@@ -415,3 +387,25 @@ async def test_under_trio_a_cancel_during_the_step_releases_the_fresh_ticket(
     finally:
         gate.set()
         fence.close()
+
+
+def _cancellable_server(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, ...]:
+    """A server on a SQLite store (its steps offloaded), its metrics, and the dispatchers
+    that serve its tool calls (to feed them a client's cancel at a chosen moment)."""
+    from mcp.shared.jsonrpc_dispatcher import JSONRPCDispatcher
+
+    from effectfence.mcp.telemetry import Metrics
+
+    fence = EffectFence.from_url(f"sqlite:///{tmp_path}/f.db", FenceConfig(lease_ttl=600))
+    metrics = Metrics()
+    server = build_server(fence, metrics=metrics)
+    dispatchers: list[Any] = []
+    dispatch = JSONRPCDispatcher._dispatch_request
+
+    async def capture(self: Any, request: Any, *a: Any, **kw: Any) -> Any:
+        if request.method == "tools/call" and self not in dispatchers:
+            dispatchers.append(self)
+        return await dispatch(self, request, *a, **kw)
+
+    monkeypatch.setattr(JSONRPCDispatcher, "_dispatch_request", capture)
+    return fence, metrics, server, dispatchers
