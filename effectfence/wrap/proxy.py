@@ -243,11 +243,12 @@ _CALL_FIELDS = frozenset({"name", "arguments", "_meta"})
 
 
 def _fold(key: str) -> str:
-    """The name some reader takes ``key`` for: cut at a NUL (a C string), without ``_``
-    and ``-`` (Go's encoding/json/v2 ignores them when it matches names without case:
-    ``me_thod`` is ``method`` there, found by review), folded character by character
-    (simple case folding, as Go's: the long s is s, and the Kelvin sign k, but ß stays ß)."""
-    key = key.split("\x00", 1)[0].replace("_", "").replace("-", "")
+    """The name some reader takes ``key`` for: without ``_`` and ``-`` (Go's
+    encoding/json/v2 ignores them when it matches names without case: ``me_thod`` is
+    ``method`` there, found by review), folded character by character (simple case
+    folding, as Go's: the long s is s, and the Kelvin sign k, but ß stays ß). A NUL, which
+    C readers cut a key at, never gets here: a line holding one is refused first."""
+    key = key.replace("_", "").replace("-", "")
     if key.isascii():
         return key.lower()
     return "".join(f if len(f := c.casefold()) == 1 else c for c in key)
@@ -274,11 +275,17 @@ def _read(pairs: list[tuple[str, Any]]) -> _Read:
 
 
 def _field_like(obj: dict[str, Any], fields: frozenset[str]) -> str | None:
-    folded = {_fold(f): f for f in fields}
+    folded = _FOLDED_FIELDS[fields]
     for key in obj:
         if key not in fields and _fold(key) in folded:
             return f"the key {key!r}, which some readers take for {folded[_fold(key)]!r}"
     return None
+
+
+#: each set of fields by its folded names, made once (the check runs on every client line)
+_FOLDED_FIELDS = {
+    fields: {_fold(f): f for f in fields} for fields in (_MESSAGE_FIELDS, _CALL_FIELDS)
+}
 
 
 def _clash_within(value: Any) -> str | None:
