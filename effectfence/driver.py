@@ -361,7 +361,7 @@ async def run_async(
                 done = hand.leave()
                 if done is not None:
                     if isinstance(exc, GeneratorExit):
-                        _settle(gen, done)
+                        _settle(gen, done, wait=False)
                     else:
                         _settle_later(off_loop, gen, done)
                 raise
@@ -380,6 +380,19 @@ async def run_async(
                     raise
                 finished, instr = await step("send")
                 continue
+            if off_loop is not None:
+                # a cancel that came as the step ended is held back by anyio (its answer was
+                # in: nothing to cancel), and was delivered inside the effect, which was then
+                # fenced as failed for a caller gone before it began (found by review). One
+                # loop turn lets it land here, where the effect has not started: released
+                try:
+                    await asyncio.sleep(0)
+                except BaseException as exc:
+                    if isinstance(exc, GeneratorExit):
+                        _settle(gen, (False, instr), wait=False)
+                    else:
+                        _settle_later(off_loop, gen, (False, instr))
+                    raise
             task = _renew_in_task(fence, instr.ticket, instr.renew_every, off_loop)
             try:
                 result = await effect(instr.ticket)
@@ -477,17 +490,32 @@ class _Handoff:
             return self._done
 
 
-def _settle(gen: Generator[Instruction, Any, FencedCall], got: tuple[bool, Any]) -> None:
+def _settle(
+    gen: Generator[Instruction, Any, FencedCall], got: tuple[bool, Any], *, wait: bool = True
+) -> None:
     """Nobody acts on this step's outcome: an admission is released (the effect never
-    started), a wait is dropped; a finished call needs nothing."""
+    started), a wait is dropped; a finished call needs nothing.
+
+    The release rides out a store blip as a commit does, pausing here (``wait``: a worker
+    thread, or a caller that may block); a dropped Pause left it untried after the first
+    blip, the intent in flight by nobody until its lease lapsed (found by review). Without
+    ``wait`` (a coroutine being closed) the generator is closed at the first Pause, which
+    makes one last attempt without one."""
     finished, instr = got
     if finished:
         return
-    if isinstance(instr, Run):
-        with contextlib.suppress(_NotStarted, Refusal, StopIteration):
-            gen.throw(_NotStarted())
-    else:
+    if not isinstance(instr, Run):
         gen.close()
+        return
+    with contextlib.suppress(_NotStarted, Refusal, StopIteration):
+        instr = gen.throw(_NotStarted())
+        while isinstance(instr, Pause):
+            if not wait:
+                gen.close()
+                return
+            time.sleep(instr.seconds)
+            instr = gen.send(None)
+        gen.close()  # cannot happen: after a release drive yields only pauses (fail closed)
 
 
 def _settle_later(

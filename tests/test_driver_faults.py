@@ -12,6 +12,7 @@ import asyncio
 import threading
 from typing import Any
 
+import anyio
 import pytest
 
 from effectfence import EffectFence, EffectRequest, FenceConfig
@@ -65,6 +66,10 @@ class Flaky(MemoryStore):
     def fail(self, *args: Any, **kw: Any) -> Any:  # the step behind fence.abort
         self._maybe_fail("fail")
         return super().fail(*args, **kw)
+
+    def release(self, *args: Any, **kw: Any) -> Any:
+        self._maybe_fail("release")
+        return super().release(*args, **kw)
 
     def claim(self, *args: Any, **kw: Any) -> Any:
         self.claim_entered.set()
@@ -170,14 +175,7 @@ async def test_a_caller_cancelled_while_its_prepare_runs_off_the_loop_leaves_not
         started.append(1)
         return "charged"
 
-    task = asyncio.ensure_future(run_async(fence, req(), Options(), effect, offload=offloader))
-    async with asyncio.timeout(BOUND):
-        while not store.claim_entered.is_set():
-            await asyncio.sleep(0.005)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    store.claim_gate.set()  # the claim now completes in its thread, for nobody
+    await _cancelled_during_the_claim(store, fence, offloader, effect)
     async with asyncio.timeout(BOUND):
         while not store.claim_done.is_set():
             await asyncio.sleep(0.005)
@@ -364,3 +362,98 @@ async def test_renewals_are_not_queued_behind_the_effects_own_threads() -> None:
 
     done = await run_async(fence, req(), Options(renew_every=0.01), effect, offload=True)
     assert done.fresh and done.cert.result is True  # renewed while the effect held the worker
+
+
+async def _cancelled_during_the_claim(
+    store: Flaky, fence: EffectFence, offloader: Offloader, effect: Any
+) -> None:
+    """A caller cancelled while its prepare is in the store (off the loop); the claim then
+    completes in its thread, for nobody."""
+    assert store.claim_gate is not None
+    task = asyncio.ensure_future(run_async(fence, req(), Options(), effect, offload=offloader))
+    async with asyncio.timeout(BOUND):
+        while not store.claim_entered.is_set():
+            await asyncio.sleep(0.005)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    store.claim_gate.set()
+
+
+async def _state_becomes(fence: EffectFence, state: str, intent: str = "charge:1") -> None:
+    async with asyncio.timeout(BOUND):
+        while fence.intent_status(intent).state != state:
+            await asyncio.sleep(0.005)
+
+
+async def test_an_anyio_cancel_as_the_prepare_step_ends_releases_before_the_effect() -> None:
+    """An anyio cancel scope (the MCP SDK's) cancelled after the offloaded prepare finished
+    but before its task resumed: anyio delivers nothing at that await (the answer is in).
+    The effect then started, the cancel landed at its first await, and the intent was
+    fenced as failed for an effect that never began (found by review). Now the cancel
+    lands before the effect and the admission is released."""
+    store = Flaky()
+    store.claim_gate = threading.Event()
+    fence = EffectFence(store=store)
+    offloader = Offloader(2, name="cancel-as-step-ends")
+    started: list[int] = []
+    loop = asyncio.get_running_loop()
+    host: dict[str, Any] = {}
+    cancelled = asyncio.Event()
+
+    async def effect(ticket: Any) -> str:
+        started.append(1)
+        await asyncio.sleep(0)
+        return "charged"
+
+    async def caller() -> None:
+        host["task"] = asyncio.current_task()
+        with anyio.CancelScope() as scope:
+            host["scope"] = scope
+            await run_async(fence, req(), Options(), effect, offload=offloader)
+
+    def poll() -> None:  # cancel exactly when the step's answer is in, unread
+        task = host.get("task")
+        if task is not None and store.claim_done.is_set():
+            waiter = task._fut_waiter
+            if waiter is not None and waiter.done():
+                host["scope"].cancel()
+                cancelled.set()
+                return
+        loop.call_soon(poll)
+
+    t = asyncio.ensure_future(caller())
+    async with asyncio.timeout(BOUND):
+        while not store.claim_entered.is_set():
+            await asyncio.sleep(0.005)
+    loop.call_soon(poll)
+    store.claim_gate.set()
+    async with asyncio.timeout(BOUND):
+        await cancelled.wait()
+        await t
+    await _state_becomes(fence, "absent")
+    offloader.close()
+    assert started == []
+
+
+async def test_a_release_after_a_cancel_rides_out_a_store_blip(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The release of an admission whose caller was cancelled meets one StoreUnavailable:
+    it is tried again, as a commit is. The Pause was dropped, the release never retried,
+    and the intent stayed in flight, held by nobody, until its lease lapsed (review)."""
+    monkeypatch.setattr("effectfence.driver.COMMIT_RETRY_PAUSES", (0.01, 0.01, 0.01))
+    store = Flaky(release=1)
+    store.claim_gate = threading.Event()
+    fence = EffectFence(store=store)
+    offloader = Offloader(2, name="release-blip")
+
+    async def effect(ticket: Any) -> str:
+        raise AssertionError("never started")
+
+    await _cancelled_during_the_claim(store, fence, offloader, effect)
+    async with asyncio.timeout(BOUND):  # the first release fails; the second must come
+        while store.calls.get("release", 0) < 2:
+            await asyncio.sleep(0.005)
+    await _state_becomes(fence, "absent")
+    offloader.close()
