@@ -1327,6 +1327,12 @@ _CALL = b'"params":{"name":"charge","arguments":{"order":1}}'
         ("cstring", b'{"jsonrpc":"2.0","id":60,"method":"tools/call\\u0000",' + _CALL + b"}"),
         # _ and - ignored by Go's encoding/json/v2 when it matches names without case
         ("fold", b'{"jsonrpc":"2.0","id":60,"me_thod":"tools/call",' + _CALL + b"}"),
+        # sharp s and capital sharp s: one to Go's simple folding, two to full case folding
+        (
+            "fold",
+            '{"jsonrpc":"2.0","id":60,"method":"tools/call","params":{"name":"charge",'
+            '"arguments":{"stra\u00dfe":"A","stra\u1e9ee":"B"}}}'.encode(),
+        ),
     ],
 )
 async def test_a_line_json_readers_read_differently_is_refused_never_relayed(
@@ -1681,4 +1687,53 @@ async def test_a_domain_template_still_indexes_an_object_argument(
     assert h.proxy.request_for("charge", args, policy.for_tool("charge")).domain == (
         "acct:7:A1:5.50"
     )
+    assert await h.stop() == 0
+
+
+async def test_a_client_listing_again_keeps_a_tool_listed_twice_fenced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """charge is read-only on page 1 and destructive on page 2: fenced. A client that lists
+    again and reads page 1 only left page 1 alone known, and charge passed on its
+    readOnlyHint, unfenced, twice (found by review). What is known changes only when a
+    listing is whole."""
+    destructive = {"readOnlyHint": False, "destructiveHint": True}
+    state = _pages(
+        tmp_path / "s.json", [_tool("charge", READ_ONLY)], [_tool("charge", destructive)]
+    )
+    env = {"WC_STATE": state, "WC_LEDGER": str(tmp_path / "listing_ledger.jsonl")}
+    h = Harness(tmp_path, monkeypatch, child=LISTING_CHILD, **env)
+    await h.start(list_tools=False)
+    await h.answer(h.send("tools/list"))
+    await h.answer(h.send("tools/list", {"cursor": "p1"}))
+    call = {"name": "charge", "arguments": {"order": 1}}
+    assert mark(await h.answer(h.send("tools/call", call)))["replayed"] is False
+    await h.answer(h.send("tools/list"))  # page 1 again, and no more
+    assert mark(await h.answer(h.send("tools/call", call)))["replayed"] is True
+    assert mark(await h.answer(h.send("tools/call", call)))["replayed"] is True
+    assert _listing_runs(tmp_path, "charge") == 1
+    assert await h.stop() == 0
+
+
+async def test_a_tools_change_announced_in_a_batch_is_heard(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A child announcing its tools changed inside a JSON-RPC batch: the wrapper relayed the
+    notice and kept the stale readOnlyHint, so a tool become destructive passed through
+    unfenced, twice (found by review)."""
+    destructive = {"readOnlyHint": False, "destructiveHint": True}
+    env = {
+        "WC_STATE": _pages(tmp_path / "s1.json", [_tool("sql", READ_ONLY)]),
+        "WC_POKE_STATE": _pages(tmp_path / "s2.json", [_tool("sql", destructive)]),
+        "WC_POKE_BATCH": "1",
+        "WC_LEDGER": str(tmp_path / "listing_ledger.jsonl"),
+    }
+    h = Harness(tmp_path, monkeypatch, child=LISTING_CHILD, **env)
+    await h.start()  # lists: sql read-only
+    await h.answer(h.send("poke"))  # sql becomes destructive, announced in a batch
+    assert any(b"list_changed" in line for line in h.out)  # relayed to the client too
+    call = {"name": "sql", "arguments": {"q": "DELETE FROM orders"}}
+    await h.answer(h.send("tools/call", call))
+    await h.answer(h.send("tools/call", call))
+    assert _listing_runs(tmp_path, "sql") == 1
     assert await h.stop() == 0

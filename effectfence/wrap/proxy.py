@@ -246,12 +246,21 @@ def _fold(key: str) -> str:
     """The name some reader takes ``key`` for: without ``_`` and ``-`` (Go's
     encoding/json/v2 ignores them when it matches names without case: ``me_thod`` is
     ``method`` there, found by review), folded character by character (simple case
-    folding, as Go's: the long s is s, and the Kelvin sign k, but ß stays ß). A NUL, which
+    folding, as Go's: the long s is s, and the Kelvin sign k, capital sharp s sharp s). A NUL, which
     C readers cut a key at, never gets here: a line holding one is refused first."""
     key = key.replace("_", "").replace("-", "")
     if key.isascii():
         return key.lower()
-    return "".join(f if len(f := c.casefold()) == 1 else c for c in key)
+    return "".join(_fold_char(c) for c in key)
+
+
+def _fold_char(c: str) -> str:
+    """One character's simple fold: its case folding where that is one character, else its
+    lower case where that is (capital sharp s is sharp s to Go: two names, one key, found
+    by review), else itself."""
+    if len(f := c.casefold()) == 1:
+        return f
+    return low if len(low := c.lower()) == 1 else c
 
 
 class _Read(dict[str, Any]):
@@ -339,6 +348,14 @@ def _ambiguity(line: bytes) -> str | None:
         if problem is not None:
             return problem
     return None
+
+
+def _changes_tools(msg: Any) -> bool:
+    """Whether a child's message (alone or in a batch) says its tools changed."""
+    return any(
+        isinstance(m, dict) and m.get("method") == "notifications/tools/list_changed"
+        for m in (msg if isinstance(msg, list) else (msg,))
+    )
 
 
 def _batch_ids(batch: list[Any]) -> tuple[Any, ...]:
@@ -619,7 +636,10 @@ class Proxy:
         self.agent = "wrap"
         self.tools: dict[str, Any] = {}  # child tool name -> annotations
         self.tools_known = False
-        self._listing_names: set[str] = set()
+        #: the listing in progress, page by page: it becomes ``tools`` once whole. Filled
+        #: into ``tools`` itself, a client's new listing left its first page alone known,
+        #: and a tool listed twice passed on that page's readOnlyHint (found by review)
+        self._listing: dict[str, Any] = {}
         #: bumped by each notifications/tools/list_changed; a listing is current only if it
         #: began (its first page) in the generation it ended in
         self._generation = 0
@@ -1186,10 +1206,11 @@ class Proxy:
                 for m in msg
                 if isinstance(m, dict) and "method" not in m and _is_id(m.get("id"))
             )
-        elif isinstance(msg, dict) and msg.get("method") == "notifications/tools/list_changed":
+        if _changes_tools(msg):
             # annotations may have changed: forget them (every call is fenced until they are
             # learned again), and no listing begun before this counts as current. Kept, a
-            # stale readOnlyHint passed a tool that had become destructive (found by review)
+            # stale readOnlyHint passed a tool that had become destructive (found by review;
+            # and again when the notice came inside a batch)
             self.tools_known = False
             self.tools = {}
             self._generation += 1
@@ -1252,24 +1273,28 @@ class Proxy:
             # a page answered late overwrote what a current listing had made known (review)
             return tools
         if first:
-            self._listing_names = set()
-            self.tools = {}
+            self._listing = {}
             self._listing_generation = generation
+        listing = self._listing
         for tool in tools:
             if isinstance(tool, dict) and type(tool.get("name")) is str:
                 name, annotations = tool["name"], tool.get("annotations")
-                if name in self._listing_names and not (
-                    _read_only(self.tools.get(name)) and _read_only(annotations)
-                ):
+                if name in listing and not (_read_only(listing[name]) and _read_only(annotations)):
                     # listed twice, not read-only both times: fenced. The last entry won, and
                     # a later readOnlyHint passed a destructive tool (found by review)
                     annotations = None
-                self.tools[name] = annotations
-                self._listing_names.add(name)
-        if _last_page(result) and self._listing_generation == self._generation:
-            self.tools_known = True
-            self._name_own_tools(self._listing_names)
+                listing[name] = annotations
+        if _last_page(result):
+            self._listing_done(generation)
         return tools
+
+    def _listing_done(self, generation: int) -> None:
+        """The listing in progress is all there is: it is what is known, if it began (its
+        first page) in the generation it ends in, and no change came since."""
+        if self._listing_generation == self._generation == generation:
+            self.tools = dict(self._listing)
+            self.tools_known = True
+            self._name_own_tools(set(self._listing))
 
     def _listed(self, cid: Any, first: bool, generation: int, msg: dict[str, Any]) -> None:
         result = msg.get("result")
@@ -1332,9 +1357,7 @@ class Proxy:
                 # call that asked waiting (found by review: "" asked 67,855 times in 5 s):
                 # what is listed is known, and a tool never listed is fenced
                 _stderr("the server's tool listing does not end; using what it listed")
-                if self._listing_generation == self._generation == generation:
-                    self.tools_known = True
-                    self._name_own_tools(self._listing_names)
+                self._listing_done(generation)
                 return
             seen.add(cursor)
 
