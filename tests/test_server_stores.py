@@ -1879,6 +1879,27 @@ def test_a_libpq_option_with_a_space_reaches_the_server_as_written() -> None:
         drop_pg_schema(name)
 
 
+def test_a_plus_in_a_libpq_option_reaches_the_server_as_a_plus() -> None:
+    """libpq reads "+" in a URL as a plus; the store read it as a space (parse_qsl) and sent
+    %20 on: a password holding a "+" failed as "can't connect, retry later" (review)."""
+    need("pg")
+    import psycopg
+
+    from effectfence.store.postgres import PostgresStore
+
+    plain = with_query(PG_DSN, application_name="fence+app")
+    with psycopg.connect(plain) as direct:  # libpq itself
+        assert direct.execute("SHOW application_name").fetchone() == ("fence+app",)
+    name = unique_name("pg")
+    store = PostgresStore.from_url(with_query(plain, schema=name), timeout=5)
+    try:
+        (row,) = store._run("t", "SHOW application_name", ())
+        assert row[0] == "fence+app"
+    finally:
+        store.close()
+        drop_pg_schema(name)
+
+
 @pytest.mark.parametrize("kind", ["pg", "redis"])
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "1e9"])
 def test_a_timeout_that_is_no_number_of_seconds_is_refused_by_name(kind: str, value: str) -> None:

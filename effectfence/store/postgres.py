@@ -671,7 +671,10 @@ def _split_url(url: str) -> tuple[str, dict[str, str]]:
         )
     ours: dict[str, str] = {}
     theirs: list[tuple[str, str]] = []
-    for k, v in parse_qsl(parts.query, keep_blank_values=True):
+    # libpq reads "+" in a URL as a plus, never a space: so is it read here (parse_qsl
+    # alone made it a space, which went on to libpq as %20: a password with a "+" failed
+    # as "can't connect, retry later", found by review)
+    for k, v in parse_qsl(parts.query.replace("+", "%2B"), keep_blank_values=True):
         if k in _OURS:
             ours[k] = v
         elif k in _libpq_keywords():
