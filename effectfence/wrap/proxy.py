@@ -273,6 +273,8 @@ class _Read(dict[str, Any]):
 def _read(pairs: list[tuple[str, Any]]) -> _Read:
     obj = _Read(pairs)
     obj.clash = None
+    if len(pairs) < 2:
+        return obj  # one key clashes with none
     seen: dict[str, str] = {}
     for key, _ in pairs:
         folded = _fold(key)
@@ -281,6 +283,9 @@ def _read(pairs: list[tuple[str, Any]]) -> _Read:
             break
         seen[folded] = key
     return obj
+
+
+_CHECKER = json.JSONDecoder(object_pairs_hook=_read)
 
 
 def _field_like(obj: dict[str, Any], fields: frozenset[str]) -> str | None:
@@ -329,7 +334,8 @@ def _ambiguity(line: bytes) -> str | None:
         # them, "A1\u0000x" order A1 (found by review). No message needs one: refused
         return "a NUL character (\\u0000), where C readers end a key or a string"
     try:
-        read = json.loads(line, object_pairs_hook=_read)
+        # one decoder for every line: json.loads with a hook builds a new one per call
+        read = _CHECKER.decode(line.decode("utf-8"))
     except RecursionError:
         return "nesting too deep to check"
     except ValueError:  # orjson read it, the standard parser does not: not checked, refused
