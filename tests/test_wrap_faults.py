@@ -166,8 +166,10 @@ async def test_a_restart_that_fails_its_handshake_neither_hangs_nor_fences(
     call = await h.answer(h.send("tools/call", {"name": "charge", "arguments": {"order": 7}}))
     assert call["result"].get("isError") is True
     assert "NOT run" in text(call) and mark(call)["outcome"] == "not_run"
-    intent = mark(call)["intent"]
-    assert h.proxy.any_fence().intent_status(intent).state == "absent"  # released, not failed
+    # stopped before any decision (the new child's tools are listed first), or released
+    intent = mark(call).get("intent")
+    if intent is not None:
+        assert h.proxy.any_fence().intent_status(intent).state == "absent"  # not failed
     ping = await h.answer(h.send("ping"))
     assert "result" in ping or "error" in ping
     # the third start works: the identical call runs, once
@@ -912,8 +914,11 @@ async def test_a_cancel_of_a_call_waiting_for_the_restarted_child_still_reaches_
     await handled
     await h.answer(h.send("ping"))  # relayed after the cancel (in order): it is there by now
     reached = any(b"notifications/cancelled" in data for data in to_child)
+    sent = any(b'"charge"' in data for data in to_child)
     assert await h.stop() == 0
-    assert reached, "the cancel never reached the child"
+    # the call waits for the next child's tools to be listed: cancelled there, it is never
+    # sent; sent, its cancel follows it
+    assert reached or not sent, "the call reached the child, its cancel never did"
 
 
 def test_the_default_scope_tells_servers_of_one_command_apart(tmp_path: Path) -> None:
@@ -1736,4 +1741,75 @@ async def test_a_tools_change_announced_in_a_batch_is_heard(
     await h.answer(h.send("tools/call", call))
     await h.answer(h.send("tools/call", call))
     assert _listing_runs(tmp_path, "sql") == 1
+    assert await h.stop() == 0
+
+
+async def test_two_listings_at_once_keep_their_pages_apart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """charge is read-only on page 0 and destructive on page 1. Listing A read p0 and p1;
+    listing B's first page then emptied the one map all listings shared, and A's last page
+    made that map known: charge read-only, unfenced, twice (found by review). A page now
+    belongs to the listing whose cursor it was asked with."""
+    destructive = {"readOnlyHint": False, "destructiveHint": True}
+    state = _pages(
+        tmp_path / "s.json",
+        [_tool("charge", READ_ONLY)],
+        [_tool("charge", destructive)],
+        [_tool("other")],
+    )
+    env = {"WC_STATE": state, "WC_LEDGER": str(tmp_path / "listing_ledger.jsonl")}
+    h = Harness(tmp_path, monkeypatch, child=LISTING_CHILD, **env)
+    await h.start(list_tools=False)
+    await h.answer(h.send("tools/list"))  # A: p0
+    await h.answer(h.send("tools/list", {"cursor": "p1"}))  # A: p1
+    await h.answer(h.send("tools/list"))  # B: p0
+    await h.answer(h.send("tools/list", {"cursor": "p2"}))  # A: p2, its last page
+    call = {"name": "charge", "arguments": {"order": 1}}
+    await h.answer(h.send("tools/call", call))
+    await h.answer(h.send("tools/call", call))
+    assert _listing_runs(tmp_path, "charge") == 1
+    assert await h.stop() == 0
+
+
+async def test_a_restarted_child_is_listed_again_before_its_hints_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The child dies and a new process serves sql as destructive. Nothing was forgotten on a
+    restart: the dead child's readOnlyHint passed sql unfenced, twice (found by review)."""
+    destructive = {"readOnlyHint": False, "destructiveHint": True}
+    state = tmp_path / "s.json"
+    env = {
+        "WC_STATE": _pages(state, [_tool("sql", READ_ONLY)]),
+        "WC_LEDGER": str(tmp_path / "listing_ledger.jsonl"),
+    }
+    h = Harness(tmp_path, monkeypatch, child=LISTING_CHILD, **env)
+    await h.start()  # lists: sql read-only
+    _pages(state, [_tool("sql", destructive)])  # what the next process serves
+    await _kill_child(h)
+    call = {"name": "sql", "arguments": {"q": "DELETE FROM orders"}}
+    await h.answer(h.send("tools/call", call))
+    await h.answer(h.send("tools/call", call))
+    assert _listing_runs(tmp_path, "sql") == 1
+    assert await h.stop() == 0
+
+
+@pytest.mark.parametrize("pair", ["\u0390\u1fd3", "\u03b0\u1fe3", "\ufb05\ufb06"])
+async def test_keys_one_to_go_simple_folding_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pair: str
+) -> None:
+    """Unicode's simple case folding, Go's, maps U+1FD3 to U+0390, U+1FE3 to U+03B0, U+FB05
+    to U+FB06 and capital sharp s to sharp s: one key each to Go, two to the check, which
+    let such a line through (found by review, twice)."""
+    a, b = pair
+    line = (
+        '{"jsonrpc":"2.0","id":60,"method":"tools/call","params":{"name":"charge",'
+        f'"arguments":{{"stra{a}e":"A","stra{b}e":"B"}}}}}}'
+    ).encode()
+    h = Harness(tmp_path, monkeypatch, RAW_FOLD_KEYS="1")
+    await h.start()
+    h.raw(line)
+    await h.answer(h.send("tools/call", {"name": "charge", "arguments": {"order": 1}}))
+    refused = [json.loads(x) for x in h.out if b"ambiguous" in x]
+    assert len(refused) == 1 and refused[0]["error"]["code"] == -32600, h.out[-3:]
     assert await h.stop() == 0

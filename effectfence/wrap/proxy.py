@@ -46,6 +46,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import functools
 import hashlib
 import json
 import os
@@ -90,6 +91,9 @@ LINE_LIMIT = 1 << 26  # 64 MiB: a resource read can be large; one line is one me
 MAX_DEPTH = 512
 #: pages of a tools/list the wrapper reads before it stops (tools past them are fenced)
 MAX_TOOL_PAGES = 1000
+#: listings in progress remembered by their next cursor (clients that never finish one
+#: cost no more than this)
+MAX_CHAINS = 64
 #: listings the wrapper begins again when the child announces a change during one
 LISTING_ATTEMPTS = 3
 #: results are recorded, and arguments read, up to this size (the fence's default is 1 MiB:
@@ -246,7 +250,7 @@ def _fold(key: str) -> str:
     """The name some reader takes ``key`` for: without ``_`` and ``-`` (Go's
     encoding/json/v2 ignores them when it matches names without case: ``me_thod`` is
     ``method`` there, found by review), folded character by character (simple case
-    folding, as Go's: the long s is s, and the Kelvin sign k, capital sharp s sharp s). A NUL, which
+    folding and more: the long s is s, the Kelvin sign k, capital sharp s sharp s). A NUL, which
     C readers cut a key at, never gets here: a line holding one is refused first."""
     key = key.replace("_", "").replace("-", "")
     if key.isascii():
@@ -255,12 +259,27 @@ def _fold(key: str) -> str:
 
 
 def _fold_char(c: str) -> str:
-    """One character's simple fold: its case folding where that is one character, else its
-    lower case where that is (capital sharp s is sharp s to Go: two names, one key, found
-    by review), else itself."""
-    if len(f := c.casefold()) == 1:
-        return f
-    return low if len(low := c.lower()) == 1 else c
+    """One character's fold: its full case folding where that is one character; else one
+    character standing for every character that folds as it does (capital sharp s and
+    sharp s, U+1FD3 and U+0390, U+FB05 and U+FB06: one to Go's simple folding, two here
+    before, found by review twice), never the letters it folds to (sharp s is not ss to
+    any reader)."""
+    folded = c.casefold()
+    if len(folded) == 1:
+        return folded
+    return _multi_folds().get(folded, c)
+
+
+@functools.cache
+def _multi_folds() -> dict[str, str]:
+    """Each case folding longer than a character, and the first character folding to it:
+    made once, on the first key that needs it (the characters are all in the BMP)."""
+    table: dict[str, str] = {}
+    for cp in range(0x80, 0x10000):
+        folded = chr(cp).casefold()
+        if len(folded) > 1:
+            table.setdefault(folded, chr(cp))
+    return table
 
 
 class _Read(dict[str, Any]):
@@ -532,9 +551,10 @@ class Child:
         #: ids of the client's requests relayed to this child, which it owes answers (until
         #: it answers, or the client cancels: see Proxy._forget_relayed)
         self.relayed: set[Any] = set()
-        #: the wrapper's tools/list requests for a client: own id -> (client id, first page,
-        #: the tools' generation it was sent in)
-        self.listings: dict[str, tuple[Any, bool, int]] = {}
+        #: the wrapper's tools/list requests for a client: own id -> (client id, the listing
+        #: the page belongs to (None: one it cannot be tied to), the tools' generation it
+        #: was sent in)
+        self.listings: dict[str, tuple[Any, _Listing | None, int]] = {}
         self.alive = True
         self.ready = asyncio.Event()  # set once the handshake (if any) is replayed
 
@@ -642,15 +662,18 @@ class Proxy:
         self.agent = "wrap"
         self.tools: dict[str, Any] = {}  # child tool name -> annotations
         self.tools_known = False
-        #: the listing in progress, page by page: it becomes ``tools`` once whole. Filled
-        #: into ``tools`` itself, a client's new listing left its first page alone known,
-        #: and a tool listed twice passed on that page's readOnlyHint (found by review)
-        self._listing: dict[str, Any] = {}
+        #: listings in progress by the cursor of their next page: a page belongs to the
+        #: listing whose cursor it was asked with, and a listing becomes ``tools`` once
+        #: whole. Filled into ``tools`` itself (then into one map all listings shared), a
+        #: client's new listing left its first page alone known, and a tool listed twice
+        #: passed on that page's readOnlyHint (found by review, twice)
+        self._chains: dict[tuple[str, str], _Listing] = {}
         #: bumped by each notifications/tools/list_changed; a listing is current only if it
         #: began (its first page) in the generation it ended in
         self._generation = 0
-        self._listing_generation = -1
         self.own_names = {role: f"effectfence_{role}" for role in _OWN_TOOLS}
+        #: whether a listing has settled the own tools' names (a child tool may take one)
+        self._named = False
         self.calls: dict[Any, _Call] = {}
         #: client request ids on their way to a child (it may be starting): id -> how many
         self._sending: dict[Any, int] = {}
@@ -800,6 +823,9 @@ class Proxy:
             child.die()
             if self.child is child:
                 self.child = None
+                # the next process is a new server: its tools are learned anew. Kept, a dead
+                # child's readOnlyHint passed a tool the new one serves as destructive (review)
+                self._forget_tools()
             self._orphaned(child, child.proc.returncode)
             if not exited.done():  # stdout closed, still running: give it time, then stop it
                 with contextlib.suppress(TimeoutError):
@@ -1217,9 +1243,7 @@ class Proxy:
             # learned again), and no listing begun before this counts as current. Kept, a
             # stale readOnlyHint passed a tool that had become destructive (found by review;
             # and again when the notice came inside a batch)
-            self.tools_known = False
-            self.tools = {}
-            self._generation += 1
+            self._forget_tools()
         if garbled:
             _stderr("the server wrote a line that is not valid UTF-8; relayed it as it came")
         self.write_client(line)  # byte for byte: a lenient client may read it
@@ -1255,11 +1279,12 @@ class Proxy:
     # -- tools/list -----------------------------------------------------------------------
     async def _list_for_client(self, cid: Any, msg: dict[str, Any]) -> None:
         params = msg.get("params")
-        first = not (isinstance(params, dict) and params.get("cursor"))
+        cursor = params.get("cursor") if isinstance(params, dict) else None
         own = self._own_id()
         try:
             child = await self.ensure_child()
-            child.listings[own] = (cid, first, self._generation)
+            listing = _Listing(self._generation) if not cursor else self._chains.get(_key(cursor))
+            child.listings[own] = (cid, listing, self._generation)
             try:
                 child.write(self._for_child({**msg, "id": own}))
             except ChildGone:
@@ -1268,50 +1293,68 @@ class Proxy:
         except ChildGone as exc:
             self._client_error(cid, -32603, f"effectfence wrap: {exc}")
 
-    def _note_tools(self, result: dict[str, Any], first: bool, generation: int) -> list[Any] | None:
-        """One page of a listing whose request was sent in ``generation``: a first page
-        answered after a change it was sent before is stale, though it arrives after."""
+    def _note_tools(
+        self, result: dict[str, Any], listing: _Listing | None, generation: int
+    ) -> list[Any] | None:
+        """One page of ``listing`` (None: a page no listing in progress asked for), whose
+        request was sent in ``generation``: a page answered after a change it was sent
+        before is stale, though it arrives after."""
         tools = result.get("tools")
         if not isinstance(tools, list):
             return None
-        if generation != self._generation:
-            # requested before a change: relayed (a client's), never learned from. Learned,
-            # a page answered late overwrote what a current listing had made known (review)
+        if generation != self._generation or listing is None:
+            # requested before a change, or tied to no listing: relayed (a client's), never
+            # learned from. Learned, a page answered late overwrote what a current listing
+            # had made known (review)
             return tools
-        if first:
-            self._listing = {}
-            self._listing_generation = generation
-        listing = self._listing
+        known = listing.tools
         for tool in tools:
             if isinstance(tool, dict) and type(tool.get("name")) is str:
                 name, annotations = tool["name"], tool.get("annotations")
-                if name in listing and not (_read_only(listing[name]) and _read_only(annotations)):
+                if name in known and not (_read_only(known[name]) and _read_only(annotations)):
                     # listed twice, not read-only both times: fenced. The last entry won, and
                     # a later readOnlyHint passed a destructive tool (found by review)
                     annotations = None
-                listing[name] = annotations
+                known[name] = annotations
         if _last_page(result):
-            self._listing_done(generation)
+            self._listing_done(listing)
+        else:
+            key = _key(result["nextCursor"])
+            self._chains.pop(key, None)  # re-inserted last: the oldest is dropped first
+            self._chains[key] = listing
+            if len(self._chains) > MAX_CHAINS:
+                del self._chains[next(iter(self._chains))]
         return tools
 
-    def _listing_done(self, generation: int) -> None:
-        """The listing in progress is all there is: it is what is known, if it began (its
-        first page) in the generation it ends in, and no change came since."""
-        if self._listing_generation == self._generation == generation:
-            self.tools = dict(self._listing)
+    def _listing_done(self, listing: _Listing) -> None:
+        """``listing`` is all there is: it is what is known, if it began (its first page)
+        in the generation it ends in, no change having come since."""
+        if listing.generation == self._generation:
+            self.tools = dict(listing.tools)
             self.tools_known = True
-            self._name_own_tools(set(self._listing))
+            self._name_own_tools(set(listing.tools))
 
-    def _listed(self, cid: Any, first: bool, generation: int, msg: dict[str, Any]) -> None:
+    def _forget_tools(self) -> None:
+        """Annotations may have changed: forget them (every call is fenced until they are
+        learned again); no listing begun before this counts as current."""
+        self.tools_known = False
+        self.tools = {}
+        self._chains = {}
+        self._generation += 1
+
+    def _listed(
+        self, cid: Any, listing: _Listing | None, generation: int, msg: dict[str, Any]
+    ) -> None:
         result = msg.get("result")
         if isinstance(result, dict):
-            tools = self._note_tools(result, first, generation)
+            tools = self._note_tools(result, listing, generation)
             if tools is not None and _last_page(result):
                 result = {**result, "tools": [*tools, *self._own_tool_defs()]}
                 msg = {**msg, "result": result}
         self.write_client(_line({**msg, "id": cid}))
 
     def _name_own_tools(self, taken: set[str]) -> None:
+        self._named = True
         for role in _OWN_TOOLS:
             base = f"effectfence_{role}"
             name, n = base, 1
@@ -1337,7 +1380,7 @@ class Proxy:
     async def _list_tools(self) -> None:
         """One listing, page by page; it makes the tools known if no change came meanwhile."""
         cursor: Any = None
-        first = True
+        listing = _Listing(self._generation)
         seen: set[str] = set()
         while True:
             params: dict[str, Any] = {}
@@ -1349,12 +1392,14 @@ class Proxy:
             generation = self._generation
             resp = await self.child_request(msg)
             result = resp.get("result")
-            if not isinstance(result, dict) or self._note_tools(result, first, generation) is None:
+            if (
+                not isinstance(result, dict)
+                or self._note_tools(result, listing, generation) is None
+            ):
                 if generation == self._generation:  # a child that can't list: fence every call
                     self.tools, self.tools_known = {}, True
                     self._name_own_tools(set())
                 return
-            first = False
             if _last_page(result):
                 return
             cursor = result["nextCursor"]
@@ -1363,7 +1408,7 @@ class Proxy:
                 # call that asked waiting (found by review: "" asked 67,855 times in 5 s):
                 # what is listed is known, and a tool never listed is fenced
                 _stderr("the server's tool listing does not end; using what it listed")
-                self._listing_done(generation)
+                self._listing_done(listing)
                 return
             seen.add(cursor)
 
@@ -1509,12 +1554,18 @@ class Proxy:
         modern = _is_modern(params)
         try:
             try:
-                await self.ensure_tools()
+                if not (self._named and self._own_role(name) is not None):
+                    # the wrapper's own tools, once their names are settled, need no child
+                    await self.ensure_tools()
             except ChildGone as exc:
                 self._answer(
                     cid,
                     modern,
-                    self._text_result(f"effectfence wrap: {exc}. Nothing was run.", error=True),
+                    self._text_result(
+                        f"effectfence wrap: {exc}. `{name}` was NOT run; call again.",
+                        error=True,
+                        marker={"outcome": "not_run"},
+                    ),
                 )
                 return
             own_role = self._own_role(name)
@@ -2024,6 +2075,27 @@ class _Canonical:
 
 def _read_only(annotations: Any) -> bool:
     return isinstance(annotations, dict) and annotations.get("readOnlyHint") is True
+
+
+class _Listing:
+    """One listing in progress: what its pages listed so far, and the tools' generation its
+    first page was asked in."""
+
+    __slots__ = ("generation", "tools")
+
+    def __init__(self, generation: int) -> None:
+        self.generation = generation
+        self.tools: dict[str, Any] = {}
+
+
+def _key(cursor: Any) -> tuple[str, str]:
+    """A cursor as a key (servers send strings; anything else by its JSON text)."""
+    if type(cursor) is str:
+        return ("s", cursor)
+    try:
+        return ("j", json.dumps(cursor, sort_keys=True))
+    except (TypeError, ValueError, RecursionError):
+        return ("r", repr(type(cursor)))
 
 
 def _last_page(result: dict[str, Any]) -> bool:
