@@ -1900,6 +1900,24 @@ def test_a_plus_in_a_libpq_option_reaches_the_server_as_a_plus() -> None:
         drop_pg_schema(name)
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://127.0.0.1:5432/test?application_name=a%00b",
+        "postgresql://fence:s3cr%zzet@127.0.0.1:5432/test",
+    ],
+)
+def test_a_url_libpq_cannot_read_is_refused_at_once_by_name(url: str) -> None:
+    """A %00 or a bad %-escape passed the store's checks and failed inside the pool, after
+    the whole timeout, as "can't connect, retry later" (found by review). Refused at once,
+    and a password libpq quotes is not shown."""
+    from effectfence.store.postgres import PostgresStore
+
+    with pytest.raises(ValueError, match="libpq can't read") as got:
+        PostgresStore.from_url(url, timeout=30).close()
+    assert "s3cr" not in str(got.value)
+
+
 @pytest.mark.parametrize("kind", ["pg", "redis"])
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "1e9"])
 def test_a_timeout_that_is_no_number_of_seconds_is_refused_by_name(kind: str, value: str) -> None:
