@@ -1813,3 +1813,33 @@ async def test_keys_one_to_go_simple_folding_are_refused(
     refused = [json.loads(x) for x in h.out if b"ambiguous" in x]
     assert len(refused) == 1 and refused[0]["error"]["code"] == -32600, h.out[-3:]
     assert await h.stop() == 0
+
+
+async def test_a_listing_cursor_in_another_case_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tools/list with "Cursor": no cursor to the wrapper (a first page), page 1 to a child
+    that reads names without case. That listing, without its first page, became what was
+    known, and charge (destructive on page 0) passed on page 1's readOnlyHint (found by
+    review). Refused -32600, as a tool call's look-alike fields are; params by position
+    -32602."""
+    destructive = {"readOnlyHint": False, "destructiveHint": True}
+    state = _pages(
+        tmp_path / "s.json", [_tool("charge", destructive)], [_tool("charge", READ_ONLY)]
+    )
+    env = {
+        "WC_STATE": state,
+        "WC_LEDGER": str(tmp_path / "listing_ledger.jsonl"),
+        "WC_CASE_BLIND": "1",
+    }
+    h = Harness(tmp_path, monkeypatch, child=LISTING_CHILD, **env)
+    await h.start(list_tools=False)
+    call = {"name": "charge", "arguments": {"order": 1}}
+    await h.answer(h.send("tools/call", call))  # the wrapper's own listing: fenced
+    for params, code in (({"Cursor": "p1"}, -32600), (["p1"], -32602)):
+        got = await h.answer(h.send("tools/list", params))  # type: ignore[arg-type]
+        assert got["error"]["code"] == code
+    await h.answer(h.send("tools/call", call))
+    await h.answer(h.send("tools/call", call))
+    assert _listing_runs(tmp_path, "charge") == 1
+    assert await h.stop() == 0

@@ -244,6 +244,8 @@ def _one_line(line: bytes) -> bytes:
 #: does, or keeps a key as a C string, as cJSON and json-c do
 _MESSAGE_FIELDS = frozenset({"jsonrpc", "id", "method", "params", "result", "error"})
 _CALL_FIELDS = frozenset({"name", "arguments", "_meta"})
+#: ... and a listing's: which page it asks for decides what the wrapper learns from it
+_LIST_FIELDS = frozenset({"cursor", "_meta"})
 
 
 def _fold(key: str) -> str:
@@ -317,7 +319,8 @@ def _field_like(obj: dict[str, Any], fields: frozenset[str]) -> str | None:
 
 #: each set of fields by its folded names, made once (the check runs on every client line)
 _FOLDED_FIELDS = {
-    fields: {_fold(f): f for f in fields} for fields in (_MESSAGE_FIELDS, _CALL_FIELDS)
+    fields: {_fold(f): f for f in fields}
+    for fields in (_MESSAGE_FIELDS, _CALL_FIELDS, _LIST_FIELDS)
 }
 
 
@@ -370,6 +373,10 @@ def _ambiguity(line: bytes) -> str | None:
                 problem = _field_like(params, _CALL_FIELDS) or _clash_within(
                     params.get("arguments")
                 )
+            elif problem is None and member.get("method") == "tools/list":
+                # "Cursor" was no cursor here and page 1 to a case-blind child: a listing
+                # without its first page became what was known (found by review)
+                problem = _field_like(params, _LIST_FIELDS)
         if problem is not None:
             return problem
     return None
@@ -990,6 +997,10 @@ class Proxy:
             call.task.add_done_callback(lambda _: self._forget_call(cid, call))
             return
         if method == "tools/list":
+            if params is not None and not isinstance(params, dict):
+                # by position, a page the wrapper cannot tell: never taken for a first one
+                self._client_error(cid, -32602, "effectfence wrap: tools/list params are an object")
+                return
             if not _shallow(line):  # written again to the child under an id of its own
                 self._client_error(
                     cid, -32600, "effectfence wrap: the request is nested too deeply"
