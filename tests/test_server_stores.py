@@ -1905,6 +1905,9 @@ def test_a_plus_in_a_libpq_option_reaches_the_server_as_a_plus() -> None:
     [
         "postgresql://127.0.0.1:5432/test?application_name=a%00b",
         "postgresql://fence:s3cr%zzet@127.0.0.1:5432/test",
+        "postgresql://fence@127.0.0.1:5432/test?password=s3cr%00et",
+        "postgresql://fence@127.0.0.1:5432/test?sslpassword=s3cr%00et",
+        "postgresql://fence@127.0.0.1:5432/test?password=s3cr\udc80",
     ],
 )
 def test_a_url_libpq_cannot_read_is_refused_at_once_by_name(url: str) -> None:

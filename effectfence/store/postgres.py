@@ -57,7 +57,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
-from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import psycopg
 import psycopg.errors
@@ -689,18 +689,16 @@ def _split_url(url: str) -> tuple[str, dict[str, str]]:
     # %20 for a space, not urlencode's default "+", which libpq reads as a plus: the usual
     # options=-c%20statement_timeout%3D5000 reached the server as "-c+statement_timeout"
     # and failed as "unavailable, retry later" (found by review)
-    query = urlencode(theirs, quote_via=quote)
-    conninfo = urlunsplit((parts.scheme, parts.netloc, parts.path, query, parts.fragment))
     try:
+        query = urlencode(theirs, quote_via=quote)
+        conninfo = urlunsplit((parts.scheme, parts.netloc, parts.path, query, parts.fragment))
         conninfo_to_dict(conninfo)  # libpq's own parser, now: not the pool's, after its timeout
-    except psycopg.Error as exc:
+    except (psycopg.Error, UnicodeError) as exc:
         # a %00 or a bad %-escape failed only inside the pool, after the whole timeout, as
-        # "can't connect, retry later" (found by review). libpq quotes the bad token, which
-        # may be the password: never shown
-        why = str(exc)
-        for secret in {parts.password, unquote(parts.password or "")} - {None, ""}:
-            why = why.replace(str(secret), "***")
-        raise ValueError(f"libpq can't read {mask_url(url)}: {why}") from None
+        # "can't connect, retry later" (found by review). libpq quotes the token it cannot
+        # read, which may be a password (in the URL's user part or its query): never shown
+        why = re.sub(r'"[^"]*"', '"..."', str(exc)) if isinstance(exc, psycopg.Error) else ""
+        raise ValueError(f"libpq can't read {mask_url(url)}: {why or 'not valid text'}") from None
     return conninfo, ours
 
 
