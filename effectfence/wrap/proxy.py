@@ -675,8 +675,9 @@ class Proxy:
         #: client's new listing left its first page alone known, and a tool listed twice
         #: passed on that page's readOnlyHint (found by review, twice)
         self._chains: dict[tuple[str, str], _Listing] = {}
-        #: bumped by each notifications/tools/list_changed; a listing is current only if it
-        #: began (its first page) in the generation it ended in
+        #: bumped whenever the tools are forgotten (a notifications/tools/list_changed, a
+        #: child that died); a listing is current only if it began (its first page) in the
+        #: generation it ended in
         self._generation = 0
         self.own_names = {role: f"effectfence_{role}" for role in _OWN_TOOLS}
         #: whether a listing has settled the own tools' names (a child tool may take one)
