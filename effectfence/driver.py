@@ -523,8 +523,22 @@ def _settle_later(
     gen: Generator[Instruction, Any, FencedCall],
     got: tuple[bool, Any],
 ) -> None:
-    """:func:`_settle` off the loop (a release is a store step), from a cancelled task."""
-    fut = asyncio.ensure_future(off_loop(_settle, gen, got))
+    """:func:`_settle` off the loop (a release is a store step), from a cancelled task.
+
+    Queued in a thread here and now, not in a task of its own: a shutdown that cancelled
+    every task reached that one before its first step, the release never ran, and the
+    collector closing the driver aborted the intent for an effect that never began (found
+    by review). A loop whose executor is already shut down settles here, without waiting."""
+    owner = getattr(off_loop, "__self__", None)
+    try:
+        if isinstance(owner, Offloader):
+            fut = owner.submit(_settle, gen, got)
+        else:  # asyncio.to_thread: the loop's default executor, in a copy of this context
+            ctx = contextvars.copy_context()
+            fut = asyncio.get_running_loop().run_in_executor(None, ctx.run, _settle, gen, got)
+    except RuntimeError:
+        _settle(gen, got, wait=False)
+        return
     _SETTLING.add(fut)
     fut.add_done_callback(_forget)
 
@@ -690,6 +704,11 @@ class Offloader:
         A thread is started only when every running one has a job (up to ``threads``):
         one caller at a time keeps one warm thread, and a step blocked in the store (a lock
         held by another process) does not hold up the steps behind it."""
+        return await self.submit(fn, *args)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+        """:meth:`run`, queued here and now (on the running loop): the job runs even if
+        nobody ever awaits the future."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         with self._lock:
@@ -700,7 +719,7 @@ class Offloader:
                 threading.Thread(
                     target=self._work, name=f"{self.name}-{self._started}", daemon=True
                 ).start()
-        return await future
+        return future
 
     def close(self) -> None:
         """Workers finish the jobs queued so far, then exit; a later :meth:`run` starts

@@ -9,6 +9,7 @@ real but every wait is bounded; collisions are forced with events, never sleeps.
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 from typing import Any
 
@@ -16,7 +17,16 @@ import anyio
 import pytest
 
 from effectfence import EffectFence, EffectRequest, FenceConfig
-from effectfence.driver import Offloader, Options, run_async, run_sync
+from effectfence.driver import (
+    Offloader,
+    Options,
+    Run,
+    _off_loop,
+    _settle_later,
+    drive,
+    run_async,
+    run_sync,
+)
 from effectfence.errors import StoreUnavailable
 from effectfence.store.memory import MemoryStore
 
@@ -457,3 +467,37 @@ async def test_a_release_after_a_cancel_rides_out_a_store_blip(
             await asyncio.sleep(0.005)
     await _state_becomes(fence, "absent")
     offloader.close()
+
+
+@pytest.mark.parametrize("how", ["offloader", "default executor"])
+def test_a_release_handed_off_as_the_loop_shuts_down_still_runs(how: str) -> None:
+    """A cancelled caller's admission is handed off to be released just as the loop shuts
+    down. Handed off as a task, it was cancelled before its first step, the release never
+    ran, and the collector closing the driver aborted the intent: refused to every
+    identical call until an operator cleared it, for an effect that never began (review)."""
+    fence = EffectFence(store=MemoryStore())
+    offloader = Offloader(1, name="shutdown-release")
+    off_loop = _off_loop(offloader if how == "offloader" else True)
+    assert off_loop is not None
+
+    async def main() -> None:
+        gen = drive(fence, req(), Options())
+        instr = gen.send(None)
+        assert isinstance(instr, Run)  # admitted; nobody will run it
+        _settle_later(off_loop, gen, (False, instr))
+        # a shutdown that cancels every task (as servers do on SIGTERM) reaches the
+        # hand-off before its first step
+        for task in asyncio.all_tasks():
+            if task is not asyncio.current_task():
+                task.cancel()
+
+    asyncio.run(main())
+    gc.collect()  # a driver left parked is closed here
+    deadline = threading.Event()
+    for _ in range(int(BOUND / 0.005)):
+        if fence.intent_status("charge:1").state != "in_flight":
+            break
+        deadline.wait(0.005)
+    offloader.close()
+    assert fence.intent_status("charge:1").state == "absent"  # released, not aborted
+    assert fence.prepare(req()).fresh
