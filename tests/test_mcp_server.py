@@ -24,7 +24,7 @@ from effectfence.errors import StoreUnavailable
 from effectfence.fence import MAX_CLEAR_TEXT
 from effectfence.mcp.models import MAX_VERIFY_CHAIN, CertModel, CommitOutput, PrepareOutput
 from effectfence.mcp.server import STDIO_CLEARER, build_server, main
-from effectfence.mcp.telemetry import Metrics
+from effectfence.mcp.telemetry import Decision, Metrics
 from effectfence.operator.views import clear_view
 from effectfence.store.memory import MemoryStore
 from effectfence.tickets import TicketSigner
@@ -582,6 +582,34 @@ async def test_the_in_flight_gauge_counts_tickets_not_answers() -> None:
         assert metrics.in_flight == 1
         ok(await client.call_tool("fence_release", {"prepared": taken}))
         assert metrics.in_flight == 0
+
+
+def test_the_in_flight_gauge_forgets_the_oldest_ticket_past_its_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Abandoned tickets nobody takes over must not grow the gauge for ever: past MAX_HELD
+    the oldest is forgotten (a ticket handed out again counts as the newest), and a commit
+    of a forgotten one changes nothing."""
+    monkeypatch.setattr("effectfence.mcp.telemetry.MAX_HELD", 3)
+    metrics = Metrics()
+
+    def observe(intent: str, outcome: str, token: int) -> None:
+        d = Decision("fence_commit" if outcome == "committed" else "fence_prepare", None)
+        d.intent, d.outcome, d.token = intent, outcome, token
+        metrics.observe(d)
+
+    for i in range(3):
+        observe(f"i{i}", "fresh", i)
+    observe("i0", "takeover", 10)  # i0 again: now the newest
+    observe("i3", "fresh", 3)  # over the bound: i1, the oldest, is forgotten
+    assert metrics.in_flight == 3
+    observe("i1", "committed", 1)
+    assert metrics.in_flight == 3, "i1 was forgotten already"
+    observe("i0", "committed", 0)  # the ticket taken over finishes nothing
+    assert metrics.in_flight == 3
+    for intent, token in (("i0", 10), ("i2", 2), ("i3", 3)):
+        observe(intent, "committed", token)
+    assert metrics.in_flight == 0
 
 
 async def test_the_in_flight_gauge_lets_go_of_a_cleared_ticket() -> None:
