@@ -22,7 +22,7 @@ import pytest
 from effectfence.canonical import canonical_bytes
 from effectfence.errors import StoreUnavailable
 from effectfence.wrap.policy import Policy
-from effectfence.wrap.proxy import META_KEY, UNLISTED, Child, Proxy
+from effectfence.wrap.proxy import LINE_LIMIT, META_KEY, UNLISTED, Child, Proxy
 
 ROOT = Path(__file__).resolve().parent.parent
 CHILD = [sys.executable, str(ROOT / "tests" / "fixtures" / "wrap_raw_child.py")]
@@ -54,7 +54,7 @@ class Harness:
         self.out: list[bytes] = []
         self.fail_writes = 0  # the next writes to the client raise, after keeping the bytes
         self.proxy = Proxy(child, self._write, store_url="memory:", policy=policy)
-        self.reader = asyncio.StreamReader()
+        self.reader = asyncio.StreamReader(limit=LINE_LIMIT)  # as the wrapper's stdin
         self.task = asyncio.ensure_future(self.proxy.run(self.reader))
         self.next_id = 0
 
@@ -1769,6 +1769,36 @@ async def test_two_listings_at_once_keep_their_pages_apart(
     await h.answer(h.send("tools/call", call))
     await h.answer(h.send("tools/call", call))
     assert _listing_runs(tmp_path, "charge") == 1
+    assert await h.stop() == 0
+
+
+async def test_a_long_cursor_costs_the_wrapper_no_more_than_a_short_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Listings in progress are remembered by their next cursor, up to MAX_CHAINS of them;
+    kept as the child sent them, a child sending cursors as long as a line may be (64 MiB)
+    could make the wrapper hold gigabytes. A cursor is remembered by its digest; the
+    listing still goes on through it."""
+    destructive = {"readOnlyHint": False, "destructiveHint": True}
+    pages = [_tool("charge", READ_ONLY)], [_tool("charge", destructive)]
+    state = _pages(tmp_path / "s.json", *pages)
+    env = {
+        "WC_STATE": state,
+        "WC_LEDGER": str(tmp_path / "listing_ledger.jsonl"),
+        "WC_CURSOR_PAD": str(1 << 20),
+    }
+    h = Harness(tmp_path, monkeypatch, child=LISTING_CHILD, **env)
+    await h.start(list_tools=False)
+    first = await h.answer(h.send("tools/list"))
+    cursor = first["result"]["nextCursor"]
+    assert len(cursor) > 1 << 20
+    held = sum(len(repr(key)) for key in h.proxy._chains)
+    assert 0 < held < 1000, held
+    await h.answer(h.send("tools/list", {"cursor": cursor}))  # the listing's last page
+    call = {"name": "charge", "arguments": {"order": 1}}
+    await h.answer(h.send("tools/call", call))
+    await h.answer(h.send("tools/call", call))
+    assert _listing_runs(tmp_path, "charge") == 1  # listed twice, once destructive: fenced
     assert await h.stop() == 0
 
 

@@ -674,7 +674,7 @@ class Proxy:
         #: whole. Filled into ``tools`` itself (then into one map all listings shared), a
         #: client's new listing left its first page alone known, and a tool listed twice
         #: passed on that page's readOnlyHint (found by review, twice)
-        self._chains: dict[tuple[str, str], _Listing] = {}
+        self._chains: dict[tuple[str, bytes], _Listing] = {}
         #: bumped whenever the tools are forgotten (a notifications/tools/list_changed, a
         #: child that died); a listing is current only if it began (its first page) in the
         #: generation it ended in
@@ -2100,14 +2100,17 @@ class _Listing:
         self.tools: dict[str, Any] = {}
 
 
-def _key(cursor: Any) -> tuple[str, str]:
-    """A cursor as a key (servers send strings; anything else by its JSON text)."""
+def _key(cursor: Any) -> tuple[str, bytes]:
+    """A cursor as a key (servers send strings; anything else by its JSON text), kept as
+    its digest: a child's cursors may be as long as a line (found by review)."""
     if type(cursor) is str:
-        return ("s", cursor)
-    try:
-        return ("j", json.dumps(cursor, sort_keys=True))
-    except (TypeError, ValueError, RecursionError):
-        return ("r", repr(type(cursor)))
+        kind, text = "s", cursor
+    else:
+        try:
+            kind, text = "j", json.dumps(cursor, sort_keys=True)
+        except (TypeError, ValueError, RecursionError):
+            return ("r", repr(type(cursor)).encode())
+    return (kind, hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest())
 
 
 def _last_page(result: dict[str, Any]) -> bool:
