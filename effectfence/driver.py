@@ -181,7 +181,9 @@ def _carry(
             reason = f"the function raised {type(exc).__name__}"
             what, settle = "fenced as failed", functools.partial(fence.abort, ticket, reason)
         if isinstance(exc, GeneratorExit):  # closed: it may not yield, one attempt only
-            with contextlib.suppress(StoreUnavailable):
+            # nobody is left to tell of a refusal (lease_lost: taken over meanwhile): raised,
+            # it came out of close() in place of GeneratorExit (noted by review)
+            with contextlib.suppress(Refusal):
                 settle()
             raise
         try:

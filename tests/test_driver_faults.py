@@ -15,6 +15,7 @@ from typing import Any
 
 import anyio
 import pytest
+from support import FakeClock
 
 from effectfence import EffectFence, EffectRequest, FenceConfig
 from effectfence.driver import (
@@ -265,8 +266,6 @@ def test_a_settle_refused_lease_lost_leaves_the_callers_own_error(fired: bool) -
     its abort (or, for a did-not-fire error, its release) is refused lease_lost, and that
     refusal replaced the caller's own exception (found by review): `except TimeoutError`
     no longer fired, and a did-not-fire error came back as lease_lost."""
-    from support import FakeClock
-
     clock = FakeClock()
     fence = EffectFence(FenceConfig(lease_ttl=10.0, clock=clock, auto_sweep=False))
 
@@ -501,3 +500,32 @@ def test_a_release_handed_off_as_the_loop_shuts_down_still_runs(how: str) -> Non
     offloader.close()
     assert fence.intent_status("charge:1").state == "absent"  # released, not aborted
     assert fence.prepare(req()).fresh
+
+
+def test_a_coroutine_closed_mid_effect_after_a_takeover_closes_quietly() -> None:
+    """A coroutine closed mid-effect (its loop gone, the collector finalizing a dropped
+    task) fences the intent once; if the lease was taken over meanwhile, that abort is
+    refused lease_lost. The refusal came out of close() in place of GeneratorExit (noted
+    by review): close() raised an exception no finalizer expects, for a hold already gone."""
+    clock = FakeClock()
+    fence = EffectFence(FenceConfig(lease_ttl=5.0, clock=clock, auto_sweep=False))
+    loop = asyncio.new_event_loop()
+    never = loop.create_future()
+    started: list[int] = []
+
+    async def effect(ticket: Any) -> str:
+        started.append(1)
+        await never
+        return "charged"
+
+    coro = run_async(fence, req(), Options(), effect)
+    try:
+        assert coro.send(None) is never  # parked inside the effect
+        clock.advance(6)  # the lease lapses; another caller takes it over
+        taken = EffectRequest("charge:1", "order:1", "charge", {"cents": 100}, "b")
+        assert fence.prepare(taken).fresh
+        coro.close()  # must not raise
+    finally:
+        loop.close()
+    assert started == [1]
+    assert fence.intent_status("charge:1").state == "in_flight"  # the takeover's, untouched
