@@ -177,8 +177,10 @@ def _carry(
             what, settle = "released", functools.partial(fence.release, ticket)
         else:
             # the reason is shown to every later caller of this intent: name the
-            # exception's type, never its text (which may carry payment details)
-            reason = f"the function raised {type(exc).__name__}"
+            # exception's type, never its text (which may carry payment details). Bounded:
+            # a reason the fence refuses (a type name over 4 KiB) left the intent in flight,
+            # and it ran again once the lease lapsed (found by review)
+            reason = _reason(f"the function raised {type(exc).__name__}")
             what, settle = "fenced as failed", functools.partial(fence.abort, ticket, reason)
         if isinstance(exc, GeneratorExit):  # closed: it may not yield, one attempt only
             # nobody is left to tell of a refusal (lease_lost: taken over meanwhile): raised,
@@ -187,11 +189,7 @@ def _carry(
                 settle()
             raise
         try:
-            yield from _again(settle)
-        except GeneratorExit:  # closed while riding out an outage: one last attempt, no yield
-            with contextlib.suppress(Refusal):
-                settle()
-            raise
+            yield from _settling(settle)
         except Refusal as refused:
             # the caller hears its own exception, not "nothing was decided" (which would
             # invite a retry of an effect that may have fired), nor lease_lost (a retry
@@ -211,10 +209,9 @@ def _carry(
     except InvalidRequest as exc:
         # it ran, but its result can't be recorded: fence the intent, say why
         # (a message may quote the value: a NUL in it would make the abort refused too)
-        reason = f"result not recordable: {exc.message}"[:1000].replace("\x00", "\\0")
-        reason = reason.encode("utf-8", "backslashreplace").decode("utf-8")  # lone surrogates
+        reason = _reason(f"result not recordable: {exc.message}")
         with contextlib.suppress(Refusal):  # taken over meanwhile: the same answer stands
-            yield from _again(functools.partial(fence.abort, ticket, reason))
+            yield from _settling(functools.partial(fence.abort, ticket, reason))
         raise
     except Refusal:
         raise  # the fence's own answer (lease_lost, read_set_stale, a store that stayed down)
@@ -230,10 +227,10 @@ def _carry(
             if isinstance(exc, GeneratorExit)  # closed by run_sync/run_async on an interrupt
             else f"it ran; its commit failed with {type(exc).__name__}"
         )
-        abort = functools.partial(fence.abort, ticket, reason)
+        abort = functools.partial(fence.abort, ticket, _reason(reason))
         if isinstance(exc, Exception):
             with contextlib.suppress(Exception):
-                yield from _again(abort)
+                yield from _settling(abort)
         else:  # interrupted or closed: record it once (a commit is safe to repeat), else
             try:  # fence it once; now, without a yield
                 fence.commit(ticket, result)
@@ -255,6 +252,26 @@ def _again(step: Callable[[], _T]) -> Generator[Instruction, Any, _T]:
         except StoreUnavailable:
             yield Pause(pause)
     return step()
+
+
+def _settling(step: Callable[[], _T]) -> Generator[Instruction, Any, _T]:
+    """:func:`_again` for a step that settles an effect (abort, release). Closed while it
+    pauses (Ctrl-C, a task dropped), it makes one last attempt, now, without a yield: left
+    untried, the intent stayed in flight and ran again once its lease lapsed (found by
+    review, for an unrecordable result and for a commit that failed untyped)."""
+    try:
+        return (yield from _again(step))
+    except GeneratorExit:
+        with contextlib.suppress(Exception):  # nobody is left to tell
+            step()
+        raise
+
+
+def _reason(text: str) -> str:
+    """A reason every store and every reader takes: bounded, no NUL, no lone surrogate (a
+    reason the fence refuses leaves the abort undone)."""
+    text = text[:1000].replace("\x00", "\\0")
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _record(
@@ -310,18 +327,33 @@ def run_sync(
                         raise
                     instr = next(gen)
                     continue
-                stop = _renew_in_thread(fence, instr.ticket, instr.renew_every)
+                try:
+                    stop = _renew_in_thread(fence, instr.ticket, instr.renew_every)
+                except BaseException:
+                    # the effect never started: released, not left parked for the collector
+                    # to abort it (found by review)
+                    _settle(gen, (False, instr))
+                    raise
                 try:
                     result = effect(instr.ticket)
                 except BaseException as exc:
                     _stop_thread(stop)
-                    instr = gen.throw(exc)
+                    try:
+                        instr = gen.throw(exc)
+                    except RuntimeError as err:
+                        if not (isinstance(exc, StopIteration) and err.__cause__ is exc):
+                            raise
+                        # the effect's own StopIteration, re-raised through the driver, came
+                        # out as RuntimeError (PEP 479); the caller hears its own (review)
+                        stopped = exc
+                        break
                     continue
                 _stop_thread(stop)
                 instr = gen.send(result)
         except StopIteration as done:
             call: FencedCall = done.value
             return call
+        raise stopped
 
 
 async def run_async(
@@ -395,7 +427,16 @@ async def run_async(
                     else:
                         _settle_later(off_loop, gen, (False, instr))
                     raise
-            task = _renew_in_task(fence, instr.ticket, instr.renew_every, off_loop)
+            try:
+                task = _renew_in_task(fence, instr.ticket, instr.renew_every, off_loop)
+            except BaseException:
+                # the effect never started: released, not left parked for the collector to
+                # abort it (found by review)
+                if off_loop is None:
+                    _settle(gen, (False, instr), wait=False)
+                else:
+                    _settle_later(off_loop, gen, (False, instr))
+                raise
             try:
                 result = await effect(instr.ticket)
             except GeneratorExit:
@@ -597,7 +638,15 @@ def _renew_in_thread(
             except Refusal:
                 return  # taken over or finished: commit will say so
 
-    threading.Thread(target=beat, name=f"effectfence-renew-{ticket.intent}", daemon=True).start()
+    try:
+        threading.Thread(
+            target=beat, name=f"effectfence-renew-{ticket.intent}", daemon=True
+        ).start()
+    except BaseException:
+        # interrupted in start(), which waits for the thread: it may be running already,
+        # and with nobody holding ``stop`` it renewed for ever (found by review)
+        stop.set()
+        raise
     return stop
 
 

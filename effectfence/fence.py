@@ -482,6 +482,11 @@ class EffectFence:
 
         cfg = config or FenceConfig()
         if is_memory_url(url):
+            if options:  # dropped without a word, an injected clock was not used (review)
+                raise TypeError(
+                    f"the memory store takes no options (got {', '.join(sorted(options))}); "
+                    "its clock and lease settings go in FenceConfig"
+                )
             return cls(cfg)
         if cfg.clock is not None:  # refused before the store is opened: a refusal makes nothing
             raise ValueError(_CLOCK_OF_A_GIVEN_STORE)

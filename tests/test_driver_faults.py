@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
+from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 from support import FakeClock
 
-from effectfence import EffectFence, EffectRequest, FenceConfig
+from effectfence import EffectFence, EffectRequest, FenceConfig, IntentFailed, fenced
 from effectfence.driver import (
     Offloader,
     Options,
@@ -529,3 +530,205 @@ def test_a_coroutine_closed_mid_effect_after_a_takeover_closes_quietly() -> None
         loop.close()
     assert started == [1]
     assert fence.intent_status("charge:1").state == "in_flight"  # the takeover's, untouched
+
+
+class _NoRenewThreads:
+    """threading.Thread.start fails for the fence's renewal threads only (a process at its
+    thread limit: "can't start new thread")."""
+
+    def __enter__(self) -> None:
+        self.orig = threading.Thread.start
+        orig = self.orig
+
+        def start(th: threading.Thread) -> None:
+            if th.name.startswith("effectfence-renew"):
+                raise RuntimeError("can't start new thread")
+            orig(th)
+
+        threading.Thread.start = start  # type: ignore[method-assign]
+
+    def __exit__(self, *exc: object) -> None:
+        threading.Thread.start = self.orig  # type: ignore[method-assign]
+
+
+def test_a_renewer_that_cannot_start_releases_an_effect_that_never_ran() -> None:
+    """The renewal thread fails to start after the admission, before the function is
+    called. The driver was left parked, and the collector closing it aborted the intent:
+    fenced as failed for an effect that never ran (found by review)."""
+    fence = EffectFence()
+    ran: list[int] = []
+
+    @fenced(fence, intent="pay:{n}", domain="acct:{n}", renew_every=1.0)
+    def pay(n: int) -> dict[str, int]:
+        ran.append(n)
+        return {"n": n}
+
+    with _NoRenewThreads(), pytest.raises(RuntimeError):
+        pay(1)
+    gc.collect()
+    assert ran == []
+    assert fence.intent_status("pay:1").state == "absent"
+    assert pay(1) == {"n": 1} and ran == [1]  # a retry runs it
+
+
+def test_a_renewer_that_cannot_start_releases_an_async_effect_on_a_durable_store(
+    tmp_path: Path,
+) -> None:
+    """The same, for a coroutine on SQLite (steps offloaded, renewed from a thread)."""
+    fence = EffectFence.from_url(f"sqlite:///{tmp_path}/f.db")
+    ran: list[int] = []
+
+    @fenced(fence, intent="pay:{n}", domain="acct:{n}", renew_every=1.0)
+    async def pay(n: int) -> dict[str, int]:
+        ran.append(n)
+        return {"n": n}
+
+    async def main() -> None:
+        with _NoRenewThreads(), pytest.raises(RuntimeError):
+            await pay(1)
+
+    try:
+        asyncio.run(main())
+        gc.collect()
+        for _ in range(int(BOUND / 0.005)):  # released by a worker thread
+            if fence.intent_status("pay:1").state != "in_flight":
+                break
+            threading.Event().wait(0.005)
+        assert ran == []
+        assert fence.intent_status("pay:1").state == "absent"
+    finally:
+        fence.close(timeout=0)
+
+
+def test_an_interrupt_while_the_renewer_starts_leaves_nothing_renewing() -> None:
+    """Ctrl-C lands in Thread.start() of the renewal thread (it waits for the thread to
+    run), before the function is called. The thread ran on with nobody holding its stop
+    event: while anything kept the driver alive (a REPL's sys.last_value), the lease was
+    renewed for ever and every identical call refused intent_in_flight (found by review)."""
+    fence = EffectFence(FenceConfig(lease_ttl=0.3))
+    ran: list[int] = []
+
+    @fenced(fence, intent="pay:{n}", domain="acct:{n}", renew_every=0.05)
+    def pay(n: int) -> dict[str, int]:
+        ran.append(n)
+        return {"n": n}
+
+    orig = threading.Thread.start
+    renewers: list[threading.Thread] = []
+
+    def start(th: threading.Thread) -> None:
+        orig(th)
+        if th.name.startswith("effectfence-renew"):
+            renewers.append(th)
+            raise KeyboardInterrupt  # delivered in start()'s wait for the thread
+
+    kept: list[BaseException] = []
+    threading.Thread.start = start  # type: ignore[method-assign]
+    try:
+        pay(1)
+    except KeyboardInterrupt as exc:
+        kept.append(exc)  # kept alive, as a REPL or an error reporter keeps it
+    finally:
+        threading.Thread.start = orig  # type: ignore[method-assign]
+    assert len(renewers) == 1
+    renewers[0].join(5.0)
+    assert not renewers[0].is_alive(), "the renewal thread still runs"
+    assert ran == []
+    assert fence.intent_status("pay:1").state == "absent"
+
+
+def test_an_exception_type_with_a_long_name_is_fenced_not_run_again(clock: FakeClock) -> None:
+    """The function raised (outcome unknown, G9): fenced as failed. The reason named the
+    exception's type unbounded; over 4 KiB the fence refused it, the abort was undone, and
+    once the lease lapsed the effect ran again (found by review)."""
+    fence = EffectFence(FenceConfig(clock=clock, lease_ttl=10.0))
+    ran: list[int] = []
+    boom = type("Gateway" + "E" * 4200, (Exception,), {})  # a dynamically named fault
+
+    @fenced(fence, intent="pay:{n}", domain="acct:{n}")
+    def pay(n: int) -> None:
+        ran.append(n)
+        raise boom("timeout talking to the bank: charged or not?")
+
+    with pytest.raises(boom):
+        pay(1)
+    clock.advance(11.0)  # the first attempt's lease lapses
+    with pytest.raises(IntentFailed):
+        pay(1)
+    assert ran == [1]
+
+
+class _FailBlips(MemoryStore):
+    """fail() (the step behind abort) is unavailable ``n`` times; complete() may be broken."""
+
+    def __init__(self, n: int, *, broken_complete: bool = False, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.n = n
+        self.broken_complete = broken_complete
+
+    def fail(self, *a: Any, **kw: Any) -> Any:
+        if self.n > 0:
+            self.n -= 1
+            raise StoreUnavailable("blip")
+        return super().fail(*a, **kw)
+
+    def complete(self, *a: Any, **kw: Any) -> Any:
+        if self.broken_complete:
+            raise RuntimeError("a step that should never raise this")
+        return super().complete(*a, **kw)
+
+
+@pytest.mark.parametrize("case", ["unrecordable result", "untyped commit error"])
+def test_an_interrupt_while_an_abort_rides_out_a_blip_makes_one_last_attempt(
+    clock: FakeClock, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    """The function ran; its result cannot be recorded (NaN), or its commit fails with an
+    untyped error: the driver aborts. The abort meets a store blip and pauses; Ctrl-C lands
+    in the pause. Closed there, the driver made no last attempt, the intent stayed in
+    flight, and once its lease lapsed the effect ran a second time (found by review)."""
+    store = _FailBlips(1, broken_complete=case == "untyped commit error", clock=clock)
+    fence = EffectFence(FenceConfig(lease_ttl=10.0), store=store)
+    ran: list[int] = []
+
+    @fenced(fence, intent="pay:{n}", domain="acct:{n}")
+    def pay(n: int) -> Any:
+        ran.append(n)
+        return float("nan") if case == "unrecordable result" else {"n": n}
+
+    def interrupted(seconds: float) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("effectfence.driver.time.sleep", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pay(1)
+    monkeypatch.undo()
+    assert fence.intent_status("pay:1").state == "failed"
+    clock.advance(11.0)
+    with pytest.raises(IntentFailed):
+        pay(1)
+    assert ran == [1]
+
+
+def test_a_stop_iteration_from_the_function_reaches_the_caller_as_itself() -> None:
+    """The caller hears its own exception; a StopIteration (next() on an exhausted
+    iterator) re-raised through the driver came out as RuntimeError (PEP 479; review)."""
+    fence = EffectFence()
+
+    @fenced(fence, intent="pay:{n}", domain="acct:{n}")
+    def pay(n: int) -> None:
+        next(iter(()))
+
+    with pytest.raises(StopIteration):
+        pay(1)
+    assert fence.intent_status("pay:1").state == "failed"  # it ran: fenced, as any raise
+
+
+def test_from_url_memory_refuses_options_it_would_drop() -> None:
+    """from_url passes its options to the store; for memory they were dropped without a
+    word: an injected clock was not used, a misplaced lease_ttl accepted (found by review)."""
+    with pytest.raises(TypeError, match="FenceConfig"):
+        EffectFence.from_url("memory:", clock=FakeClock(5.0))
+    with pytest.raises(TypeError, match="lease_ttl"):
+        EffectFence.from_url("memory:", lease_ttl=1.0)
+    fence = EffectFence.from_url("memory:", FenceConfig(clock=FakeClock(5.0)))
+    assert fence.store.now() == 5.0
