@@ -203,6 +203,14 @@ def _carry(
                 f"effectfence: intent {ticket.intent!r} could not be {what} "
                 f"({refused.message}); {then}"
             )
+        else:
+            if isinstance(exc, Refusal):
+                # a refusal from inside the function (a nested fenced call's "retry later;
+                # nothing was decided") reads as this call's own: say what became of it
+                exc.add_note(
+                    f"effectfence: raised inside the fenced function of intent "
+                    f"{ticket.intent!r}, which is now {what}"
+                )
         raise
     try:
         cert = yield from _record(fence, ticket, result)

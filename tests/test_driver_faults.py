@@ -732,3 +732,21 @@ def test_from_url_memory_refuses_options_it_would_drop() -> None:
         EffectFence.from_url("memory:", lease_ttl=1.0)
     fence = EffectFence.from_url("memory:", FenceConfig(clock=FakeClock(5.0)))
     assert fence.store.now() == 5.0
+
+
+def test_a_refusal_from_inside_the_function_says_what_became_of_the_call() -> None:
+    """A nested fenced call refused store_unavailable ("retry later; nothing was decided")
+    inside the function reached the caller as if this call's own: retryable, while its
+    intent was now fenced as failed and a retry was refused intent_failed (review). The
+    refusal now carries a note naming the intent and what became of it."""
+    fence = EffectFence()
+
+    @fenced(fence, intent="order:{n}", domain="acct:{n}")
+    def order(n: int) -> None:
+        raise StoreUnavailable("the ledger is down (simulated)")  # a nested call's refusal
+
+    with pytest.raises(StoreUnavailable) as got:
+        order(1)
+    notes = getattr(got.value, "__notes__", [])
+    assert any("'order:1'" in n and "fenced as failed" in n for n in notes), notes
+    assert fence.intent_status("order:1").state == "failed"
