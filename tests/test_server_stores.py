@@ -953,6 +953,39 @@ def test_redis_a_lost_step_that_applied_meanwhile_is_not_lease_lost(rs: Any) -> 
     assert rec is not None and rec.state is State.FAILED and rec.reason == "boom"
 
 
+def test_redis_a_release_that_applied_and_lost_its_reply_is_not_lease_lost(rs: Any) -> None:
+    """A release applied and its reply was lost; before the store re-read, the retry the
+    release allowed claimed the intent. The store found a record under another token and the
+    releasing holder was told lease_lost, though its release applied and nobody took its
+    lease (found by review). A release leaves no trace to tell that from a takeover: the
+    answer is store_unavailable, never lease_lost."""
+    from effectfence.store import redis as redis_store
+
+    fence = EffectFence(store=rs)
+    other = EffectFence(store=rs)
+    ticket = fence.prepare(req()).ticket
+    real = rs._call
+    retried: list[Any] = []
+
+    def lost_after_applying(op: str, script: Any, keys: Any, args: Any) -> Any:
+        out = real(op, script, keys, args)
+        if op == "release" and not retried:
+            rs._call = real
+            retried.append(other.prepare(req(agent="b")))  # the retry the release allowed
+            raise redis_store._Lost("connection reset")  # the reply never came
+        return out
+
+    rs._call = lost_after_applying
+    try:
+        got = _catch(lambda: fence.release(ticket))
+    finally:
+        rs._call = real
+    assert retried and retried[0].fresh
+    assert isinstance(got, StoreUnavailable), f"release that applied answered {got!r}"
+    rec = rs.get("charge:1")
+    assert rec is not None and rec.token == retried[0].ticket.token
+
+
 def _clients(admin: Any, name: str, cmd: str | None = None) -> list[int]:
     return [
         int(c["id"])
@@ -1581,8 +1614,102 @@ def test_redis_reads_eviction_settings_from_info_and_fails_closed_when_unreadabl
     d = store.durability()
     assert d["eviction"] == "unknown" and d["maxmemory"] is None
     assert d["verdict"].startswith("EVICTION UNKNOWN") and "warning" in store.describe()
+    assert d["role"] == "master"  # INFO refused: read by ROLE
     store.close()
     admin.close()
+
+
+def test_redis_refuses_to_open_on_a_writable_replica(private_redis: Callable[..., str]) -> None:
+    """A replica that accepts writes (replica-read-only no): what it acknowledges never
+    reaches the master and the next resync throws it away. It was reported safe, and a
+    fence on it and one on the master both admitted the same intent (found by review). The
+    store refuses to open there, typed, naming the URL (not its password) and why."""
+    from effectfence.store.redis import RedisStore
+
+    safe = ("--appendonly", "yes", "--appendfsync", "always", "--no-appendfsync-on-rewrite", "no")
+    master = private_redis(*safe)
+    port = master.rsplit(":", 1)[1].split("/")[0]
+    replica = private_redis(*safe, "--replicaof", "127.0.0.1", port, "--replica-read-only", "no")
+    admin = _admin(replica)
+    admin.execute_command("ACL", "SETUSER", "fence", "on", ">s3cret", "~*", "&*", "+@all")
+    on_master = RedisStore.from_url(master + "?prefix=rv_redis_rep")
+    deadline = time.monotonic() + 30
+    while not admin.exists("{rv_redis_rep}:meta"):  # the store is there, replicated
+        assert time.monotonic() < deadline, "the replica never caught up"
+        time.sleep(0.05)
+    try:
+        with pytest.raises(StoreUnavailable) as refused:
+            RedisStore.from_url(
+                replica.replace("redis://", "redis://fence:s3cret@") + "?prefix=rv_redis_rep"
+            )
+        exc = refused.value
+        assert "replica" in exc.message and "resync" in exc.message and "master" in exc.message
+        assert "s3cret" not in exc.message and replica.split("//")[1] in exc.message
+        assert exc.details["role"] == "slave" and exc.retryable is False
+        assert EffectFence(store=on_master).prepare(req()).fresh  # one execution, on the master
+        d = on_master.durability()
+        assert d["role"] == "master" and d["acknowledged_writes_survive_a_crash"]
+    finally:
+        on_master.close()
+        admin.close()
+
+
+def test_redis_refuses_to_open_for_a_user_who_may_not_publish(
+    private_redis: Callable[..., str],
+) -> None:
+    """Redis 7 gives a new ACL user no pub/sub channels (acl-pubsub-default resetchannels):
+    ``~* +@all`` may write every key, but its PUBLISH is refused. Every step PUBLISHed after
+    its writes: the claim applied, under a token nobody held, and the caller got a raw redis
+    error (found by review). The store refuses to open, typed, naming the channel, and
+    writes nothing."""
+    from effectfence.store.redis import RedisStore
+
+    url = private_redis()
+    admin = _admin(url)
+    admin.execute_command("ACL", "SETUSER", "fence", "on", ">pw", "~*", "+@all")
+    try:
+        with pytest.raises(StoreUnavailable) as refused:
+            RedisStore.from_url(url.replace("redis://", "redis://fence:pw@") + "?prefix=rv_acl")
+        exc = refused.value
+        assert "PUBLISH" in exc.message and "{rv_acl}:changes" in exc.message
+        assert exc.retryable is False and "&{rv_acl}:changes" in exc.recover
+        assert admin.dbsize() == 0
+    finally:
+        admin.close()
+
+
+def test_redis_a_step_that_may_not_publish_applies_nothing(
+    private_redis: Callable[..., str],
+) -> None:
+    """The channel right taken away while the store runs (ACL SETUSER ... resetchannels):
+    the complete script wrote DONE, the head and the certificate, then its PUBLISH was
+    refused, and the caller got a raw redis error for a commit that applied (found by
+    review). Each step checks the right before it writes: store_unavailable naming the
+    channel, nothing applied, and once the right is back the same commit goes through."""
+    from effectfence.store.redis import RedisStore
+
+    url = private_redis()
+    admin = _admin(url)
+    admin.execute_command("ACL", "SETUSER", "fence", "on", ">pw", "~*", "&*", "+@all")
+    store = RedisStore.from_url(url.replace("redis://", "redis://fence:pw@") + "?prefix=rv_r")
+    fence = EffectFence(FenceConfig(auto_sweep=False), store=store)
+    try:
+        ticket = fence.prepare(req()).ticket
+        admin.execute_command("ACL", "SETUSER", "fence", "resetchannels")
+        for step in (lambda: fence.commit(ticket, "r"), lambda: fence.prepare(req("charge:2"))):
+            with pytest.raises(StoreUnavailable) as refused:
+                step()
+            assert refused.value.details["server_reply"].startswith("NOPUBLISH ")
+            assert "{rv_r}:changes" in refused.value.message
+        rec = store.get("charge:1")
+        assert rec is not None and rec.state is State.IN_FLIGHT and rec.token == ticket.token
+        assert store.get("charge:2") is None
+        admin.execute_command("ACL", "SETUSER", "fence", "&*")
+        cert = fence.commit(ticket, "r")
+        assert fence.prepare(req(agent="b")).cert.hash == cert.hash
+    finally:
+        store.close()
+        admin.close()
 
 
 def _read_only(admin: Any) -> Callable[[], None]:
@@ -1646,7 +1773,7 @@ def test_redis_server_refusals_are_store_unavailable_and_apply_nothing(
             assert exc.details["server_reply"] in exc.message and exc.retryable
         assert store.get("charge:2") is None
         if code == "READONLY":  # and a store opened on the demoted server: typed, not raw
-            with pytest.raises(StoreUnavailable, match="READONLY"):
+            with pytest.raises(StoreUnavailable, match="replica"):
                 RedisStore.from_url(with_query(url, prefix="other"))
     finally:
         undo()

@@ -33,7 +33,8 @@ Durability: Redis keeps an acknowledged write across a crash only with an append
 fsynced on every write (``appendonly yes``, ``appendfsync always``), and a failover to a
 replica can lose acknowledged writes whatever the settings. The store reads the server's
 persistence settings at connect and reports them (:meth:`RedisStore.durability`); see
-docs/stores-redis.md.
+docs/stores-redis.md. It refuses to open on a replica (what a writable one acknowledges is
+lost at its next resync), and for a user who may not PUBLISH on ``{p}:changes``.
 
 Eviction: records carry TTLs, so under a ``volatile-*`` maxmemory-policy Redis may delete a
 record in flight or done before its time (a second caller is admitted: the effect runs
@@ -44,15 +45,15 @@ connect and refuses to open where eviction is possible (or cannot be ruled out) 
 
 Errors: no connection, or a server that refused a command before running it (READONLY
 after a failover, OOM, LOADING, BUSY, MISCONF, NOREPLICAS, CLUSTERDOWN, TRYAGAIN,
-MASTERDOWN: nothing applied), raises :class:`~effectfence.errors.StoreUnavailable` with the
-server's reply; any other error reply (a script error: a bug) is raised as redis-py's. A
-connection lost while a script ran may have lost only the reply: ticket steps re-read and
-answer from what the store holds, a claim answers unavailable (a lease it may have taken
-lapses like a crashed holder's). redis-py's own retries are off: a script is never sent
-twice behind the store's back (the one resend is after NOSCRIPT, an answer that says it did
-not run). A store built from a URL sends its steps on connections of its own
-(:class:`_Connections`, :class:`_Script`), not through ``Redis.execute_command``; a client
-passed in is used as it is.
+MASTERDOWN, and the scripts' own NOPUBLISH: nothing applied), raises
+:class:`~effectfence.errors.StoreUnavailable` with the server's reply; any other error reply
+(a script error: a bug) is raised as redis-py's. A connection lost while a script ran may
+have lost only the reply: ticket steps re-read and answer from what the store holds, a claim
+answers unavailable (a lease it may have taken lapses like a crashed holder's). redis-py's
+own retries are off: a script is never sent twice behind the store's back (the one resend is
+after NOSCRIPT, an answer that says it did not run). A store built from a URL sends its
+steps on connections of its own (:class:`_Connections`, :class:`_Script`), not through
+``Redis.execute_command``; a client passed in is used as it is.
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ _REFUSED_CLASSES: tuple[tuple[type[Exception], str], ...] = (
 )
 _REFUSED_CODES = frozenset(
     ("LOADING", "READONLY", "OOM", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "MISCONF",
-     "NOREPLICAS", "BUSY")
+     "NOREPLICAS", "BUSY", "NOPUBLISH")
 )  # fmt: skip
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
@@ -198,6 +199,17 @@ local function compare(first)
     return nil
 end
 local function changed(intent) redis.call('PUBLISH', P .. ':changes', intent) end
+-- a step that announces its change checks first that it may: Redis 7 gives a new ACL user
+-- no channels (acl-pubsub-default resetchannels), a PUBLISH refused after the writes left
+-- them applied (Lua does not roll back) and the caller an untyped error (found by review).
+-- Raised before any write, so nothing applied (NOPUBLISH is in _REFUSED_CODES)
+local function heard()
+    if redis.acl_check_cmd and not redis.acl_check_cmd('PUBLISH', P .. ':changes') then
+        error({err = 'NOPUBLISH this user may not PUBLISH to the channel ' .. P .. ':changes, '
+            .. 'where every step announces its change (grant it: ACL SETUSER <user> &' .. P
+            .. ':changes).'})
+    end
+end
 """
 
 _READ = """
@@ -238,6 +250,7 @@ _CLAIM = """
 -- ARGV[13] reclaim_after  ARGV[14] reserve_at or ''  ARGV[15..] compared domain, seq, ...
 -- -> {outcome, found record or nil, token, seq, now, head, clock, stale triple}; now in every
 -- answer: the store is put-first, and the decider judges what a claim found at that time
+heard()
 local cur = get(KEYS[1])
 -- condition 1, slot: the record is the version the decider observed (base.same_record)
 if (cur ~= nil) ~= (ARGV[4] == '1') or (cur and not (tonumber(cur[2]) == tonumber(ARGV[5])
@@ -288,6 +301,7 @@ _COMPLETE = """
 -- ARGV[12] stale_reclaim_after  ARGV[13] certificates kept per domain, '' for all
 -- ARGV[14] the ticket's fingerprint  ARGV[15..] compared domain, seq, ...
 -- -> {outcome, found record or nil, now, stale triple}
+heard()
 local cur = get(KEYS[1])
 -- compare-by-token: in flight under this token, with the ticket's payload
 if not cur or cur[1] ~= 'in_flight' or tonumber(cur[2]) ~= tonumber(ARGV[4])
@@ -363,6 +377,7 @@ _FINISH = """
 -- ARGV[5] 'fail' | 'release' | 'renew'  ARGV[6] reason  ARGV[7] lease_ttl
 -- ARGV[8] reclaim_after
 -- -> {outcome, found record or nil, now}
+heard()
 local cur = get(KEYS[1])
 if not cur or cur[1] ~= 'in_flight' or tonumber(cur[2]) ~= tonumber(ARGV[4]) then
     return {'moved', cur or false}
@@ -388,6 +403,7 @@ return {'applied', cur, fmt(t)}
 
 _CLEAR = """
 -- KEYS[1] record  ARGV[1] prefix  ARGV[2] ''  ARGV[3] intent  -> the record removed, or nil
+heard()
 local cur = get(KEYS[1])
 if not cur then return false end
 redis.call('DEL', KEYS[1])
@@ -401,6 +417,7 @@ _CLEAR_IF = """
 -- ARGV[1] prefix  ARGV[2] test clock or ''  ARGV[3] intent
 -- ARGV[4..7] the judged record's token, state, lease_until, until  ARGV[8] entry JSON
 -- -> {'moved', found record or false} | {'applied', found record, id, now}
+heard()
 local cur = get(KEYS[1])
 -- the condition: still the version the decider judged (base.same_record)
 if not cur or not (tonumber(cur[2]) == tonumber(ARGV[4]) and cur[1] == ARGV[5]
@@ -439,6 +456,7 @@ _SWEEP = """
 -- KEYS[1] reclaim index
 -- ARGV[1] prefix  ARGV[2] test clock or ''  ARGV[3] batch
 -- -> {records deleted, index entries visited}
+heard()
 local t = now()
 local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', fmt(t), 'LIMIT', 0, tonumber(ARGV[3]))
 local n = 0
@@ -724,6 +742,8 @@ class RedisStore(FenceStore):
             self._durability = self._read_persistence()
             self._durability.update(self._read_eviction())
             self._refuse_eviction()
+            self._refuse_replica()
+            self._refuse_unheard()
             self.store_id = self._init()
         except StoreUnavailable:  # a ConnectionError, so an OSError: before _LOST
             self.close()
@@ -828,15 +848,23 @@ class RedisStore(FenceStore):
                 "save": None,
                 "source": source,
             }
-        with contextlib.suppress(redis.exceptions.ResponseError):
-            out["role"] = self._r.info("replication").get("role")
+        out["role"] = self._read_role()
         # no-appendfsync-on-rewrite yes skips the fsync, "always" or not, while a rewrite or
         # a snapshot runs: then durability is appendfsync no's (review). Unknown is unsafe
         skips = out.get("no-appendfsync-on-rewrite") != "no"
         synced = out.get("appendonly") == "yes" and out.get("appendfsync") == "always"
-        safe = synced and not skips
+        # a replica's writes (replica-read-only no) never reach its master and are dropped at
+        # the next resync: it was reported safe, and a fence on the master admitted the same
+        # intent again (found by review). Only a master can be safe; unknown is not
+        safe = synced and not skips and out["role"] == "master"
         out["acknowledged_writes_survive_a_crash"] = safe
-        if synced and skips:
+        if out["role"] != "master":
+            out["verdict"] = (
+                f"role {out['role'] or 'unknown'}, not master: what a replica acknowledges is "
+                "not seen by the master and is lost at the next resync; not safe for effects "
+                "that move money"
+            )
+        elif synced and skips:
             out["verdict"] = (
                 "appendonly yes + appendfsync always, but no-appendfsync-on-rewrite is "
                 f"{out.get('no-appendfsync-on-rewrite') or 'unknown'}: while the server "
@@ -857,6 +885,58 @@ class RedisStore(FenceStore):
                 "safe for effects that move money"
             )
         return out
+
+    def _read_role(self) -> str | None:
+        """The server's replication role: INFO replication, else ROLE, else None (unknown)."""
+        try:
+            return _text(self._r.info("replication")["role"])
+        except (redis.exceptions.ResponseError, KeyError) as exc:
+            if _refused(exc) is not None:
+                raise
+        try:
+            role: Any = self._r.role()  # ["master" | "slave" | "sentinel", ...]
+            return _text(role[0])
+        except (redis.exceptions.ResponseError, IndexError, TypeError) as exc:
+            if _refused(exc) is not None:
+                raise
+        return None
+
+    def _refuse_replica(self) -> None:
+        """Fail closed on a server known to be a replica: what it accepts (replica-read-only
+        no) is lost at its next resync and never seen by the master, so a fence on the master
+        admits the same intent again (found by review)."""
+        role = self._durability["role"]
+        if role is None or role == "master":
+            return
+        raise StoreUnavailable(
+            f"refusing to open the Redis store at {mask_url(self._url)}: the server is a "
+            f"replica (role {role}), not a master: writes to a replica are lost at its next "
+            "resync and are not seen by the master, where another fence would admit the same "
+            "intent again. Open the store on the master",
+            operation="open",
+            retryable=False,
+            recover="point the store's URL at the Redis master",
+            setting="role",
+            role=role,
+        )
+
+    def _refuse_unheard(self) -> None:
+        """Fail closed where this user may not PUBLISH on the changes channel: every step
+        would be refused (the scripts check it first, see heard() in _PRELUDE), so the store
+        does not open; the right can still be revoked later, and then steps are refused."""
+        try:
+            self._r.eval(_PRELUDE + "heard() return 1", 0, self._p, "")
+        except redis.exceptions.ResponseError as exc:
+            if not str(exc).startswith("NOPUBLISH "):
+                raise
+            raise StoreUnavailable(
+                f"refusing to open the Redis store at {mask_url(self._url)}: {exc}",
+                operation="open",
+                retryable=False,
+                recover=f"grant the user the channel: ACL SETUSER <user> &{self._p}:changes",
+                setting="acl channels",
+                server_reply=str(exc),
+            ) from exc
 
     def _read_eviction(self) -> dict[str, Any]:
         """maxmemory and maxmemory-policy: CONFIG GET, else INFO memory (managed services
@@ -1371,6 +1451,18 @@ class RedisStore(FenceStore):
                 except _Lost as lost:
                     raise self._unavailable(op, lost) from exc
                 return settled(step, lambda r: applied(r) and (r is None or r.token == token))
+            if rec is not None and applied(None):
+                # a release leaves no trace: the record under another token is a claim made
+                # after it applied, or the takeover that kept it from applying. Answered
+                # lease_lost though it applied (found by review): neither can be told
+                raise StoreUnavailable(
+                    f"the Redis store {self.prefix!r} lost the reply of {op} {intent!r}, which "
+                    f"is now held under token {rec.token}: whether the {op} applied before "
+                    "that claim can't be told",
+                    operation=op,
+                    retryable=False,
+                    recover="nothing to retry: the intent is another caller's now",
+                ) from exc
             return Step(MOVED, found=rec)
 
     def _finish(
