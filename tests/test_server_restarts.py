@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 from support import REQUIRE_SERVICES
 
-from effectfence import EffectFence, EffectRequest
+from effectfence import EffectFence, EffectRequest, FenceConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
 
@@ -249,5 +249,41 @@ def test_postgres_server_crash_keeps_every_acknowledged_commit(private_pg: _Post
         # the claim survived too: the holder's lease still fences the intent
         record = store.get("restart:2")
         assert record is not None and record.token == held.token
+    finally:
+        store.close()
+
+
+def test_postgres_a_commit_on_the_callers_pool_survives_a_crash_after_the_app_set_async(
+    private_pg: _Postgres,
+) -> None:
+    """The application's pool, its sessions starting with synchronous_commit on. The store
+    checked each connection the first time it borrowed it; the application then turned
+    synchronous_commit off on that session for its own bulk writes, as it may, and the
+    store's next steps on it were acknowledged before their WAL was flushed: a crash lost
+    the committed intent, and the duplicate after the restart was fresh, a second execution
+    (G1; found by review). Each borrow now sets it on."""
+    import psycopg_pool
+
+    from effectfence.store.postgres import PostgresStore
+
+    dsn = private_pg.dsn + "?options=-c%20synchronous_commit%3Don"
+    pool = psycopg_pool.ConnectionPool(dsn, min_size=1, max_size=1, open=False)
+    pool.open(wait=True)
+    store = PostgresStore(pool=pool, schema="callers_pool")
+    fence = EffectFence(FenceConfig(lease_ttl=1.0), store=store)
+    fence.current("warm")  # the store has borrowed (and checked) the pool's one connection
+    with pool.connection() as c:  # the application's own work on its pool
+        c.execute("SET synchronous_commit = off")
+    first = _commit_once(fence)
+    store.close()
+    pool.close()
+    private_pg.crash()
+    private_pg.start()
+    # judged 2 s on: past the first attempt's lease, had its commit been lost
+    store = PostgresStore(private_pg.dsn, schema="callers_pool", pool_max=2,
+                          clock=lambda: time.time() + 2)  # fmt: skip
+    try:
+        again = EffectFence(store=store).prepare(_req("second"))
+        assert not again.fresh and again.cert.hash == first, again
     finally:
         store.close()

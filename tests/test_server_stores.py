@@ -575,6 +575,51 @@ def test_pg_the_callers_pool_gets_its_connections_back_as_lent(sync_off: bool) -
         drop_pg_schema(schema)
 
 
+def test_pg_a_callers_session_changed_after_a_borrow_is_set_up_again() -> None:
+    """The store checked synchronous_commit only the first time it borrowed each of the
+    caller's connections: an application that later turned it off on its session (a common
+    bulk-write optimisation) had every later step on that connection acknowledged before its
+    WAL was flushed (found by review). The same for READ COMMITTED, which the steps rely
+    on. Each borrow sets both, and gives the session back as the application left it."""
+    need("pg")
+    import psycopg_pool
+
+    from effectfence.store.postgres import PostgresStore
+
+    schema = unique_name("pgpool")
+    pool = psycopg_pool.ConnectionPool(PG_DSN, min_size=1, max_size=1, open=False)
+    pool.open(wait=True)
+    try:
+        store = PostgresStore(pool=pool, schema=schema)
+        fence = EffectFence(store=store)
+        fence.commit(fence.prepare(req("warm")).ticket, "ok")  # the connection is checked
+        with pool.connection() as c:  # the application, on its own session
+            c.execute("SET synchronous_commit = off")
+            c.execute("SET default_transaction_isolation = 'repeatable read'")
+            c.commit()
+        seen: list[tuple[str, str]] = []
+        real = store._execute
+        show = "SELECT current_setting('synchronous_commit'), " + (
+            "current_setting('default_transaction_isolation')"
+        )
+
+        def spy(conn: Any, query: Any, params: Any) -> Any:
+            if query is store._q_complete:
+                seen.append(conn.execute(show).fetchone())
+            return real(conn, query, params)
+
+        store._execute = spy  # type: ignore[method-assign]
+        fence.commit(fence.prepare(req("charge:9")).ticket, "charged")
+        store._execute = real  # type: ignore[method-assign]
+        assert seen == [("on", "read committed")], seen
+        with pool.connection() as c:  # given back as the application left it
+            assert c.execute(show).fetchone() == ("off", "repeatable read")
+        store.close()
+    finally:
+        pool.close()
+        drop_pg_schema(schema)
+
+
 def test_pg_an_interrupt_while_lending_drops_the_callers_connection(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -585,7 +630,7 @@ def test_pg_an_interrupt_while_lending_drops_the_callers_connection(
     import psycopg
     import psycopg_pool
 
-    from effectfence.store.postgres import PostgresStore
+    from effectfence.store.postgres import _PIN, PostgresStore
 
     schema = unique_name("pglend")
     pool = psycopg_pool.ConnectionPool(
@@ -598,7 +643,7 @@ def test_pg_an_interrupt_while_lending_drops_the_callers_connection(
         real = psycopg.Connection.execute
 
         def interrupted(self: Any, query: Any, *a: Any, **k: Any) -> Any:
-            if query == "SET synchronous_commit = on":
+            if query == _PIN:  # the step's settings, once autocommit is switched on
                 raise KeyboardInterrupt
             return real(self, query, *a, **k)
 
@@ -833,6 +878,29 @@ def test_pg_a_claim_that_waited_draws_its_token_after_the_one_it_waited_for(
         holder.commit()  # claimed, drew a token, cleared: the slot is empty again
     assert len(got) == 1 and getattr(got[0], "fresh", False), got
     assert got[0].ticket.token > drawn
+
+
+def test_pg_a_claim_that_waited_past_its_lease_is_not_admitted_lapsed(pg: Any) -> None:
+    """A claim of an empty slot read the server's clock before its insert and its domain
+    lock, then waited on the domain's row (held by another step). It returned a Fresh
+    ticket whose lease had ended before it was handed out: the very next duplicate took it
+    over, and both ran the effect (G1; found by review). The lease is set again once the
+    claim holds its locks."""
+    fence = EffectFence(FenceConfig(lease_ttl=1.0, auto_sweep=False), store=pg)
+    fence.commit(fence.prepare(req("warm")).ticket, "ok")  # the domain row exists
+    blocker = _lock_domain(pg.schema, "order:777")
+    got: list[Any] = []
+    t = threading.Thread(target=lambda: got.append(fence.prepare(req("charge:7"))))
+    t.start()
+    with _pg_admin() as admin:
+        until(lambda: _blocked_pids(admin, pg.schema, "claim"), "the claim to wait")
+    time.sleep(1.5)  # the domain is held longer than a lease (the claim waits on it)
+    blocker.rollback()
+    blocker.close()
+    t.join(30)
+    assert len(got) == 1 and got[0].fresh, got
+    with pytest.raises(IntentInFlight):  # a duplicate, right after: the lease holds
+        fence.prepare(req("charge:7", agent="b"))
 
 
 def test_pg_a_fresh_attempt_is_two_statements_and_a_replay_one(pg: Any) -> None:
@@ -1918,6 +1986,29 @@ def test_read_sets_on_each_others_new_domains_admit_one_claim(pg: Any) -> None:
     both failed at commit (found by review: 273 of 300 unforced trials). Forced here: the
     fence row held as an eviction holds it stops both where they create their domain, after
     their compare; released once both wait on a lock."""
+    _one_of_two_claims_on_each_others_new_domains(pg)
+
+
+def test_read_sets_on_new_domains_admit_one_claim_under_a_repeatable_read_default() -> None:
+    """The same, on a database whose default isolation is REPEATABLE READ (ALTER DATABASE
+    ... SET default_transaction_isolation, as an operator may): the steps rely on READ
+    COMMITTED (each statement sees what committed before its locks were granted); under
+    that default the compare read the snapshot taken before them, and both claims ran
+    (found by review). The store's sessions are set to READ COMMITTED."""
+    need("pg")
+    from effectfence.store.postgres import PostgresStore
+
+    schema = unique_name("pgrr")
+    rr = "options=-c%20default_transaction_isolation%3Drepeatable%5C%20read"
+    store = PostgresStore.from_url(f"{PG_DSN}?schema={schema}&{rr}")
+    try:
+        _one_of_two_claims_on_each_others_new_domains(store)
+    finally:
+        store.close()
+        drop_pg_schema(schema)
+
+
+def _one_of_two_claims_on_each_others_new_domains(pg: Any) -> None:
     import psycopg
 
     from effectfence.errors import ReadSetStale
@@ -1954,6 +2045,49 @@ def test_read_sets_on_each_others_new_domains_admit_one_claim(pg: Any) -> None:
     fresh = [k for k, v in out.items() if getattr(v, "fresh", False)]
     stale = [k for k, v in out.items() if isinstance(v, ReadSetStale)]
     assert len(fresh) == 1 and len(stale) == 1, f"both admitted on stale read sets: {out}"
+
+
+def test_pg_an_audit_reader_following_ids_sees_every_clear(pg: Any) -> None:
+    """``audit(after=id)`` is how ``effectfence intents watch`` follows the operator's
+    clears: it keeps the last id it printed and asks for larger ones. A bigserial id is
+    drawn when a clear inserts its entry, not when it commits: a clear that drew id N and
+    committed after one that drew N+1 was never shown to a reader already past N+1 (found
+    by review). Forced here: the first clear is held after its insert (a waiter's
+    registration of its intent locked), the second clears meanwhile."""
+    import psycopg
+
+    fence = EffectFence(store=pg)
+    for name in ("i1", "i2"):
+        fence.abort(fence.prepare(req(name)).ticket, "boom")
+    pg._watch("i1")  # a waiter registered on i1: its clear deletes the registration
+    blocker = psycopg.connect(PG_DSN)
+    blocker.execute(f'SELECT 1 FROM "{pg.schema}".watch WHERE intent = %s FOR UPDATE', ("i1",))
+    clears = [
+        threading.Thread(target=lambda i=i: fence.clear(i, reason="reconciled", who="op"))
+        for i in ("i1", "i2")
+    ]
+    with _pg_admin() as admin:
+        clears[0].start()
+        until(lambda: _blocked_pids(admin, pg.schema, "clear_if"), "i1's clear to wait")
+        clears[1].start()  # done, or waiting for i1's
+        until(
+            lambda: (
+                not clears[1].is_alive() or len(_blocked_pids(admin, pg.schema, "clear_if")) == 2
+            ),
+            "i2's clear to finish or wait",
+        )
+    seen: list[str] = []
+    after = 0
+    for e in fence.audit(after=after, limit=1000):  # the watcher's look
+        after = e.id
+        seen.append(e.intent)
+    blocker.rollback()
+    blocker.close()
+    for t in clears:
+        t.join(30)
+    for e in fence.audit(after=after, limit=1000):  # its next look
+        seen.append(e.intent)
+    assert sorted(seen) == ["i1", "i2"], (seen, [(e.id, e.intent) for e in fence.audit()])
 
 
 def test_redis_with_fsync_skipped_during_rewrites_is_not_called_safe(

@@ -22,10 +22,9 @@ Design
   row first and may meet a claim's read-set lock the other way round, so a deadlock (or
   serialization) abort, which applied nothing, is retried.
 - Time: ``clock_timestamp()``, read inside the step after its locks are held (a claim of
-  an empty slot reads it before its insert, which may wait: its lease can start early,
-  never later than its caller counts); never a client's clock. ``clock=`` replaces it
-  with a parameter of every statement: it exists for tests (a fake clock drives leases
-  without sleeping), never for production.
+  an empty slot sets its lease again once it holds them); never a client's clock.
+  ``clock=`` replaces it with a parameter of every statement: it exists for tests (a fake
+  clock drives leases without sleeping), never for production.
 - Sweeps cost O(expired): a partial index on ``reclaim_at`` holds only finite deadlines.
 - ``wait_for_change``: waiters ``LISTEN`` on one dedicated connection per store object and
   register the intent in ``watch``, in the statement that reads it (``watch_``); a
@@ -34,6 +33,8 @@ Design
   nobody waits for, nearly all of them, send none.
 - Durability: every statement commits with ``synchronous_commit`` on. A session found with
   it off (server or role default) is switched on, and :meth:`PostgresStore.describe` says so.
+  Isolation: every step runs READ COMMITTED, whatever the database's or role's default
+  (:data:`_PIN`, on connecting; on every borrow of a caller's pooled connection).
 
 Errors: a connection that cannot be had, or a step the server refused before it applied,
 raises :class:`~effectfence.errors.StoreUnavailable` ("nothing was decided"). A connection
@@ -116,7 +117,10 @@ __all__ = ["DEFAULT_SCHEMA", "SCHEMA_VERSION", "PostgresStore", "StoreSchemaErro
 #: new version: the DDL runs only on a schema older than this code's; found by review)
 #: 9: ``lock_domains_`` also locks each domain by name, so read sets on domains that have
 #: no row yet are serialized (two claims reading each other's new domain both ran)
-SCHEMA_VERSION = 9
+#: 10: a ``claim`` of an empty slot sets its lease once its locks are held (one judged
+#: before its waits was handed out already over); ``clear_if`` draws audit ids one clear
+#: at a time, so their order is commit order (found by review)
+SCHEMA_VERSION = 10
 DEFAULT_SCHEMA = "effectfence"
 DEFAULT_POOL_MAX = 8
 #: seconds to wait for a pooled connection (or a new one) before reporting unavailable
@@ -328,8 +332,9 @@ BEGIN
         -- each deadlock cost a second. The token is drawn once the slot is held (at the
         -- end): an insert that waited for another claim of the intent, then for a clear of
         -- it, must not hand out a token drawn before that claim's (fencing tokens grow).
-        -- The lease may start before a wait, but after the caller started counting it: it
-        -- never ends before the caller was told it would. A refusal below deletes the row.
+        -- Its lease is set again once the domains are held (at the end): one judged before
+        -- the waits was handed out already over, and a duplicate took it over (found by
+        -- review). A refusal below deletes the row.
         r_now := {s}.now_(p_now);
         INSERT INTO {s}.intents ({f}) VALUES (p_intent, 'in_flight', 0, p_fp,
             p_domain, p_agent, {s}.deadline_(r_now + p_lease_ttl), NULL, 0, '', 0, 0,
@@ -399,10 +404,15 @@ BEGIN
         END IF;
     END LOOP;
     r_token := nextval('{s}.tokens');
-    IF first THEN  -- the slot is ours already: its token and seq (not indexed: HOT update)
-        UPDATE {s}.intents SET token = r_token, seq = r_seq WHERE intent = p_intent;
+    -- the lease starts now, every lock of the step held (its insert's clock was read before
+    -- it waited for them)
+    r_now := {s}.now_(p_now);
+    IF first THEN  -- the slot is ours already: its token, seq and lease
+        UPDATE {s}.intents SET token = r_token, seq = r_seq,
+            lease_until = {s}.deadline_(r_now + p_lease_ttl),
+            reclaim_at = {s}.deadline_(r_now + p_reclaim_after)
+         WHERE intent = p_intent;
     ELSE  -- the record condition 1 found and holds (FOR UPDATE), taken over
-        r_now := {s}.now_(p_now);
         UPDATE {s}.intents SET state = 'in_flight', token = r_token, fingerprint = p_fp,
             domain = p_domain, agent = p_agent,
             lease_until = {s}.deadline_(r_now + p_lease_ttl), cert = NULL, until = 0,
@@ -565,6 +575,10 @@ BEGIN
     END IF;
     a_at := {s}.now_(p_now);
     DELETE FROM {s}.intents WHERE intent = p_intent;
+    -- one clear at a time from its audit id to its commit: an id is drawn at the insert,
+    -- and a reader following ids (``intents watch``) moved past one that committed later
+    -- (found by review). Clears are rare
+    PERFORM pg_advisory_xact_lock(hashtext({ch}), 2);
     INSERT INTO {s}.audit (intent, at, entry) VALUES (p_intent, a_at, p_entry)
         RETURNING id INTO a_id;
     PERFORM {s}.changed_(p_intent);
@@ -710,6 +724,22 @@ _SYNC_NOTE = (
     "synchronous_commit was off for this role/database: effectfence sets it on for its own "
     "steps (a commit it reports survives a server crash)"
 )
+#: a session set up for steps, in one statement that answers what it found:
+#: ``synchronous_commit`` on where it is off (a commit reported survives a server crash),
+#: and READ COMMITTED, which the step functions rely on: each statement sees what committed
+#: before its locks were granted. Under a REPEATABLE READ default (database or role) a
+#: compare read the snapshot taken before its locks, and two claims on each other's new
+#: domains both ran (found by review)
+_PIN = (
+    "WITH was AS MATERIALIZED (SELECT current_setting('synchronous_commit') AS sc, "
+    "current_setting('default_transaction_isolation') AS iso) "
+    "SELECT sc, iso, set_config('synchronous_commit', CASE sc WHEN 'off' THEN 'on' ELSE sc END, "
+    "false), set_config('default_transaction_isolation', 'read committed', false) FROM was"
+)
+_RESTORE = (
+    "SELECT set_config('synchronous_commit', %s, false), "
+    "set_config('default_transaction_isolation', %s, false)"
+)
 
 
 class PostgresStore(FenceStore):
@@ -760,10 +790,6 @@ class PostgresStore(FenceStore):
         self._closed = False
         self._notes: list[str] = []  # what the connect-time checks found and changed
         self._checked: weakref.WeakSet[psycopg.Connection[Any]] = weakref.WeakSet()
-        #: the caller's pooled connections whose role has synchronous_commit off (_borrow)
-        self._sync_off: weakref.WeakKeyDictionary[psycopg.Connection[Any], bool] = (
-            weakref.WeakKeyDictionary()
-        )
         self._checked_lock = _fork.lock()
         self._certs = CertCache(_CERT_CACHE)
         self._key: bytes | None = None
@@ -868,13 +894,19 @@ class PostgresStore(FenceStore):
             self._pool = self._open_pool()
             self._fork = _fork.generation()
 
+    def _pin(self, conn: psycopg.Connection[Any]) -> tuple[str, str]:
+        """Set ``conn`` up for steps (:data:`_PIN`); returns the synchronous_commit and
+        default_transaction_isolation it had."""
+        row = conn.execute(_PIN).fetchone()
+        assert row is not None
+        if row[0] == "off" and _SYNC_NOTE not in self._notes:
+            self._notes.append(_SYNC_NOTE)
+        return str(row[0]), str(row[1])
+
     def _configure(self, conn: psycopg.Connection[Any]) -> None:
-        """On every new connection: never commit without waiting for the WAL flush."""
-        setting = str(conn.execute("SHOW synchronous_commit").fetchone()[0])  # type: ignore[index]
-        if setting == "off":
-            conn.execute("SET synchronous_commit = on")
-            if _SYNC_NOTE not in self._notes:
-                self._notes.append(_SYNC_NOTE)
+        """On every new connection of the store's own pool (no one else uses its sessions):
+        never commit without waiting for the WAL flush, and READ COMMITTED."""
+        self._pin(conn)
         if not conn.autocommit:
             conn.commit()
         with self._checked_lock:
@@ -905,13 +937,17 @@ class PostgresStore(FenceStore):
         else:
             cm.__exit__(None, None, None)
 
-    def _borrow(self, op: str, conn: psycopg.Connection[Any]) -> tuple[bool, bool]:
-        """A connection of the caller's pool, set up for one step: autocommit, and
-        ``synchronous_commit`` on where the role has it off. Returns what to put back
-        (:meth:`_give_back`): the caller's connections are lent, not taken over (found by
-        review: left in autocommit, the application's own ``with pool.connection()``
-        blocks stopped being transactions, and one that raised halfway stayed half
-        applied)."""
+    def _borrow(
+        self, op: str, conn: psycopg.Connection[Any]
+    ) -> tuple[bool, tuple[str, str] | None]:
+        """A connection of the caller's pool, set up for one step: autocommit, and the
+        settings of :data:`_PIN`, on every borrow (one round trip): the application may
+        change its session's between two (found by review: switched to asynchronous
+        commit after the first borrow, the store's commits were acknowledged unflushed).
+        Returns what to put back (:meth:`_give_back`): the caller's connections are lent,
+        not taken over (found by review: left in autocommit, the application's own ``with
+        pool.connection()`` blocks stopped being transactions, and one that raised halfway
+        stayed half applied)."""
         try:
             first = conn not in self._checked
             if first and _hung_up(conn):
@@ -919,17 +955,10 @@ class PostgresStore(FenceStore):
             was = conn.autocommit
             if not was:
                 conn.autocommit = True
+            sc, iso = self._pin(conn)
             if first:
-                setting = conn.execute("SHOW synchronous_commit").fetchone()
-                off = setting is not None and str(setting[0]) == "off"
                 with self._checked_lock:
-                    self._sync_off[conn] = off
                     self._checked.add(conn)
-                if off and _SYNC_NOTE not in self._notes:
-                    self._notes.append(_SYNC_NOTE)
-            off = self._sync_off.get(conn, False)
-            if off:
-                conn.execute("SET synchronous_commit = on")
         except psycopg.Error as exc:
             # nothing of a step was sent: typed, and the pool drops the connection
             # (a raw driver error escaped here, found by review)
@@ -940,18 +969,20 @@ class PostgresStore(FenceStore):
             # back as it was lent, so the pool drops it (found by review)
             conn.close()
             raise
-        return was, off
+        return was, (None if sc != "off" and iso == "read committed" else (sc, iso))
 
     @staticmethod
-    def _give_back(conn: psycopg.Connection[Any], lent: tuple[bool, bool]) -> None:
+    def _give_back(
+        conn: psycopg.Connection[Any], lent: tuple[bool, tuple[str, str] | None]
+    ) -> None:
         """The caller's connection as it was lent; one that cannot be put back so is
         closed, and its pool drops it."""
-        was, off = lent
+        was, settings = lent
         if conn.closed or conn.broken:
             return
         try:
-            if off:
-                conn.execute("SET synchronous_commit = off")
+            if settings is not None:
+                conn.execute(_RESTORE, settings)
             if not was:
                 conn.autocommit = False
         except psycopg.Error:
