@@ -1021,36 +1021,43 @@ def test_redis_a_lost_step_that_applied_meanwhile_is_not_lease_lost(rs: Any) -> 
     assert rec is not None and rec.state is State.FAILED and rec.reason == "boom"
 
 
-def test_redis_a_release_that_applied_and_lost_its_reply_is_not_lease_lost(rs: Any) -> None:
+@pytest.mark.parametrize("kind", ["redis", "postgres"])
+def test_a_release_that_applied_and_lost_its_reply_is_not_lease_lost(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
     """A release applied and its reply was lost; before the store re-read, the retry the
     release allowed claimed the intent. The store found a record under another token and the
     releasing holder was told lease_lost, though its release applied and nobody took its
     lease (found by review). A release leaves no trace to tell that from a takeover: the
-    answer is store_unavailable, never lease_lost."""
-    from effectfence.store import redis as redis_store
+    answer is store_unavailable (not retryable), never lease_lost."""
+    import importlib
 
-    fence = EffectFence(store=rs)
-    other = EffectFence(store=rs)
+    store = request.getfixturevalue("rs" if kind == "redis" else "pg")
+    lost = importlib.import_module(f"effectfence.store.{kind}")._Lost
+    hook = "_call" if kind == "redis" else "_run"  # where a step's statement is sent
+    fence = EffectFence(store=store)
+    other = EffectFence(store=store)
     ticket = fence.prepare(req()).ticket
-    real = rs._call
+    real = getattr(store, hook)
     retried: list[Any] = []
 
-    def lost_after_applying(op: str, script: Any, keys: Any, args: Any) -> Any:
-        out = real(op, script, keys, args)
+    def lost_after_applying(op: str, *args: Any) -> Any:
+        out = real(op, *args)
         if op == "release" and not retried:
-            rs._call = real
+            setattr(store, hook, real)
             retried.append(other.prepare(req(agent="b")))  # the retry the release allowed
-            raise redis_store._Lost("connection reset")  # the reply never came
+            raise lost("connection reset")  # the reply never came
         return out
 
-    rs._call = lost_after_applying
+    setattr(store, hook, lost_after_applying)
     try:
         got = _catch(lambda: fence.release(ticket))
     finally:
-        rs._call = real
+        setattr(store, hook, real)
     assert retried and retried[0].fresh
     assert isinstance(got, StoreUnavailable), f"release that applied answered {got!r}"
-    rec = rs.get("charge:1")
+    assert not got.retryable and "can't be told" in got.message
+    rec = store.get("charge:1")
     assert rec is not None and rec.token == retried[0].ticket.token
 
 

@@ -160,6 +160,20 @@ def settled(step: Step, applied: Callable[[IntentRecord | None], bool]) -> Step:
     return step
 
 
+def release_untold(where: str, intent: str, holder: int) -> StoreUnavailable:
+    """A release whose reply was lost, its intent now held under another token. A release
+    leaves no trace, so "it applied, then someone claimed" cannot be told from "a takeover
+    came first": answered lease_lost, it told a holder whose release applied that its lease
+    was taken (found by review). Not retryable: a retry would say lease_lost."""
+    return StoreUnavailable(
+        f"{where} lost the reply of release {intent!r}, which is now held under token "
+        f"{holder}: whether the release applied before that claim can't be told",
+        operation="release",
+        retryable=False,
+        recover="nothing to retry: the intent is another caller's now",
+    )
+
+
 def same_record(a: IntentRecord | None, b: IntentRecord | None) -> bool:
     """The compare of a claim's compare-and-set for stores that cannot compare identity.
 

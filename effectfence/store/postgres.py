@@ -82,6 +82,7 @@ from effectfence.store.base import (
     Head,
     Step,
     StoreMissing,
+    release_untold,
     settled,
     step_timeout,
 )
@@ -1606,6 +1607,10 @@ class PostgresStore(FenceStore):
                     raise self._unavailable(kind, lost) from exc
                 step = self._finish_step("finish", intent, row, params)
                 return settled(step, applied)
+            if rec is not None and applied(None):  # a release: see release_untold
+                raise release_untold(
+                    f"the PostgreSQL store {self.schema!r}", intent, rec.token
+                ) from exc
             return Step(MOVED, found=rec)
         return self._finish_step("finish", intent, row, params)
 

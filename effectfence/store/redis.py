@@ -92,6 +92,7 @@ from effectfence.store.base import (
     Head,
     Step,
     StoreMissing,
+    release_untold,
     settled,
     step_timeout,
 )
@@ -1451,18 +1452,8 @@ class RedisStore(FenceStore):
                 except _Lost as lost:
                     raise self._unavailable(op, lost) from exc
                 return settled(step, lambda r: applied(r) and (r is None or r.token == token))
-            if rec is not None and applied(None):
-                # a release leaves no trace: the record under another token is a claim made
-                # after it applied, or the takeover that kept it from applying. Answered
-                # lease_lost though it applied (found by review): neither can be told
-                raise StoreUnavailable(
-                    f"the Redis store {self.prefix!r} lost the reply of {op} {intent!r}, which "
-                    f"is now held under token {rec.token}: whether the {op} applied before "
-                    "that claim can't be told",
-                    operation=op,
-                    retryable=False,
-                    recover="nothing to retry: the intent is another caller's now",
-                ) from exc
+            if rec is not None and applied(None):  # a release: see release_untold
+                raise release_untold(f"the Redis store {self.prefix!r}", intent, rec.token) from exc
             return Step(MOVED, found=rec)
 
     def _finish(
