@@ -321,47 +321,48 @@ def run_sync(
     """Carry out :func:`drive` in this thread; the lease is renewed from a helper thread."""
     with driving(fence):  # a close from in here (a signal handler) does not wait for it
         gen = drive(fence, request, options)
+        raised: BaseException | None = None  # what the effect raised, if it did
         try:
-            instr = next(gen)
-            while True:
-                if isinstance(instr, Wait | Pause):
-                    try:
-                        if isinstance(instr, Wait):
-                            fence.wait(instr.intent, instr.timeout)
-                        else:
-                            time.sleep(instr.seconds)
-                    except BaseException:
-                        gen.close()  # interrupted between steps: settled now, not when collected
-                        raise
-                    instr = next(gen)
-                    continue
-                try:
-                    stop = _renew_in_thread(fence, instr.ticket, instr.renew_every)
-                except BaseException:
-                    # the effect never started: released, not left parked for the collector
-                    # to abort it (found by review)
-                    _settle(gen, (False, instr))
-                    raise
-                try:
-                    result = effect(instr.ticket)
-                except BaseException as exc:
-                    _stop_thread(stop)
-                    try:
-                        instr = gen.throw(exc)
-                    except RuntimeError as err:
-                        if not (isinstance(exc, StopIteration) and err.__cause__ is exc):
+            try:
+                instr = next(gen)
+                while True:
+                    if isinstance(instr, Wait | Pause):
+                        try:
+                            if isinstance(instr, Wait):
+                                fence.wait(instr.intent, instr.timeout)
+                            else:
+                                time.sleep(instr.seconds)
+                        except BaseException:
+                            gen.close()  # interrupted between steps: settled now, not later
                             raise
-                        # the effect's own StopIteration, re-raised through the driver, came
-                        # out as RuntimeError (PEP 479); the caller hears its own (review)
-                        stopped = exc
-                        break
-                    continue
-                _stop_thread(stop)
-                instr = gen.send(result)
-        except StopIteration as done:
-            call: FencedCall = done.value
-            return call
-        raise stopped
+                        instr = next(gen)
+                        continue
+                    try:
+                        stop = _renew_in_thread(fence, instr.ticket, instr.renew_every)
+                    except BaseException:
+                        # the effect never started: released, not left parked for the
+                        # collector to abort it (found by review)
+                        _settle(gen, (False, instr))
+                        raise
+                    try:
+                        result = effect(instr.ticket)
+                    except BaseException as exc:
+                        _stop_thread(stop)
+                        raised = exc
+                        instr = gen.throw(exc)
+                        continue
+                    _stop_thread(stop)
+                    instr = gen.send(result)
+            except StopIteration as done:
+                call: FencedCall = done.value
+                return call
+        except RuntimeError as err:
+            if isinstance(raised, StopIteration) and err.__cause__ is raised:
+                # the effect's own StopIteration, re-raised by the driver (after its abort,
+                # at once or after a pause), came out as RuntimeError (PEP 479): the caller
+                # hears its own exception (found by review, twice)
+                raise raised from None
+            raise
 
 
 async def run_async(
@@ -458,48 +459,79 @@ async def run_async(
                 raise
             except BaseException as exc:
                 _stop_task(task)
-                return await _conclude(step, "throw", exc, inline=off_loop is None)
+                return await _conclude(step, advance, gen.close, off_loop, "throw", exc)
             _stop_task(task)
-            return await _conclude(step, "send", result, inline=off_loop is None)
+            return await _conclude(step, advance, gen.close, off_loop, "send", result)
         call: FencedCall = instr
         return call
 
 
 async def _conclude(
-    step: Callable[..., Awaitable[tuple[bool, Any]]], how: str, value: Any, *, inline: bool
+    step: Callable[..., Awaitable[tuple[bool, Any]]],
+    advance: Callable[[str, Any], tuple[bool, Any]],
+    close: Callable[[], None],
+    off_loop: Callable[..., Awaitable[Any]] | None,
+    how: str,
+    value: Any,
 ) -> FencedCall:
     """What follows the effect (commit, or abort / release, with their retries), carried
     to its end even if the caller is cancelled meanwhile: a commit left half-tried would
     leave the intent in flight, and an identical call would run the effect again once the
     lease lapsed. The caller's cancellation still reaches the caller at once.
 
-    ``inline``: the steps run on the loop and never suspend, so nothing can cancel the
-    first one; only a pause (a store error) needs the task below. That task costs as much
-    as the rest of an in-memory call, so the common case goes without it."""
-    pending: Any = None
-    if inline:
-        finished, pending = await step(how, value)
-        if finished:
-            call: FencedCall = pending
-            return call
+    Off the loop, the whole of it is one job queued here and now, its pauses slept in its
+    thread: handed to a task, a shutdown that cancelled every task reached the task before
+    its first step, or in a pause, and the commit of an effect that ran was never tried
+    again; the driver, parked, was aborted by the collector or, kept alive by an idle
+    worker, left in flight until an identical call ran the effect again (found by review).
+
+    On the loop (``off_loop`` None) the steps never suspend, so nothing can cancel the
+    first one; only a pause (a store error) needs the task below, and a cancel in its
+    pause closes the driver, which makes one last attempt."""
+    if off_loop is not None:
+        try:
+            fut = _queue(off_loop, _to_the_end, advance, how, value)
+        except RuntimeError:  # no thread to be had: the effect ran, record it here
+            ran: FencedCall = _to_the_end(advance, how, value)
+            return ran
+        _SETTLING.add(fut)
+        fut.add_done_callback(_forget)
+        done: FencedCall = await asyncio.shield(fut)
+        return done
+    finished, pending = await step(how, value)
+    if finished:
+        call: FencedCall = pending
+        return call
 
     async def finish() -> FencedCall:
-        if pending is None:
-            finished, instr = await step(how, value)
-        else:
-            finished, instr = False, pending
+        finished, instr = False, pending
         while not finished:
             if not isinstance(instr, Pause):  # after the effect, drive only pauses
                 raise AssertionError(f"unexpected instruction after the effect: {instr!r}")
-            await asyncio.sleep(instr.seconds)
+            try:
+                await asyncio.sleep(instr.seconds)
+            except BaseException:
+                close()  # cancelled in its pause: one last attempt, now (see drive)
+                raise
             finished, instr = await step("send")
-        done: FencedCall = instr
-        return done
+        settled: FencedCall = instr
+        return settled
 
-    fut = asyncio.ensure_future(finish())
-    _SETTLING.add(fut)
-    fut.add_done_callback(_forget)
-    return await asyncio.shield(fut)
+    task = asyncio.ensure_future(finish())
+    _SETTLING.add(task)
+    task.add_done_callback(_forget)
+    return await asyncio.shield(task)
+
+
+def _to_the_end(advance: Callable[[str, Any], tuple[bool, Any]], how: str, value: Any) -> Any:
+    """In a worker thread: the steps after the effect, pausing here between retries."""
+    finished, instr = advance(how, value)
+    while not finished:
+        if not isinstance(instr, Pause):  # after the effect, drive only pauses
+            raise AssertionError(f"unexpected instruction after the effect: {instr!r}")
+        time.sleep(instr.seconds)
+        finished, instr = advance("send", None)
+    return instr
 
 
 def _forget(fut: asyncio.Future[Any]) -> None:
@@ -580,18 +612,24 @@ def _settle_later(
     every task reached that one before its first step, the release never ran, and the
     collector closing the driver aborted the intent for an effect that never began (found
     by review). A loop whose executor is already shut down settles here, without waiting."""
-    owner = getattr(off_loop, "__self__", None)
     try:
-        if isinstance(owner, Offloader):
-            fut = owner.submit(_settle, gen, got)
-        else:  # asyncio.to_thread: the loop's default executor, in a copy of this context
-            ctx = contextvars.copy_context()
-            fut = asyncio.get_running_loop().run_in_executor(None, ctx.run, _settle, gen, got)
+        fut = _queue(off_loop, _settle, gen, got)
     except RuntimeError:
         _settle(gen, got, wait=False)
         return
     _SETTLING.add(fut)
     fut.add_done_callback(_forget)
+
+
+def _queue(off_loop: Callable[..., Awaitable[Any]], fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` in a worker thread of ``off_loop`` (an Offloader's, or the loop's
+    default executor for ``asyncio.to_thread``), queued here and now: its future. Raises
+    RuntimeError, leaving nothing queued, where no thread can take it."""
+    owner = getattr(off_loop, "__self__", None)
+    if isinstance(owner, Offloader):
+        return owner.submit(fn, *args)
+    ctx = contextvars.copy_context()  # as to_thread: logging and tracing context carry over
+    return asyncio.get_running_loop().run_in_executor(None, ctx.run, fn, *args)
 
 
 async def _wait_in_thread(fence: EffectFence, intent: str, timeout: float) -> None:
@@ -771,13 +809,16 @@ class Offloader:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         with self._lock:
+            if self._pending >= self._started and self._started < self.threads:
+                # started before anything is counted or queued: a thread that cannot start
+                # (a process at its limit) left the job queued for a caller told it failed,
+                # and a worker counted that never ran (found by review)
+                threading.Thread(
+                    target=self._work, name=f"{self.name}-{self._started + 1}", daemon=True
+                ).start()
+                self._started += 1
             self._jobs.put((loop, future, contextvars.copy_context(), fn, args))
             self._pending += 1
-            if self._pending > self._started and self._started < self.threads:
-                self._started += 1
-                threading.Thread(
-                    target=self._work, name=f"{self.name}-{self._started}", daemon=True
-                ).start()
         return future
 
     def close(self) -> None:

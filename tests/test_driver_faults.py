@@ -9,6 +9,7 @@ real but every wait is bounded; collisions are forced with events, never sleeps.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import threading
 from pathlib import Path
@@ -723,15 +724,18 @@ def test_a_stop_iteration_from_the_function_reaches_the_caller_as_itself() -> No
     assert fence.intent_status("pay:1").state == "failed"  # it ran: fenced, as any raise
 
 
-def test_from_url_memory_refuses_options_it_would_drop() -> None:
-    """from_url passes its options to the store; for memory they were dropped without a
-    word: an injected clock was not used, a misplaced lease_ttl accepted (found by review)."""
-    with pytest.raises(TypeError, match="FenceConfig"):
-        EffectFence.from_url("memory:", clock=FakeClock(5.0))
+def test_from_url_memory_passes_its_options_to_the_store() -> None:
+    """from_url passes its options to the store, as for every URL; for memory they were
+    dropped without a word: an injected clock unused, a misplaced lease_ttl accepted
+    (found by review). The first fix refused them all, though the memory store takes
+    several (its review): they go to the store now, with the config's clock and table."""
+    assert EffectFence.from_url("memory:", clock=FakeClock(5.0)).store.now() == 5.0
+    kept = EffectFence.from_url("memory:", audit_keep=5)
+    assert kept.store._audit.maxlen == 5  # type: ignore[attr-defined]
     with pytest.raises(TypeError, match="lease_ttl"):
-        EffectFence.from_url("memory:", lease_ttl=1.0)
-    fence = EffectFence.from_url("memory:", FenceConfig(clock=FakeClock(5.0)))
-    assert fence.store.now() == 5.0
+        EffectFence.from_url("memory:", lease_ttl=1.0)  # meant FenceConfig(lease_ttl=1.0)
+    fence = EffectFence.from_url("memory:", FenceConfig(clock=FakeClock(7.0)), audit_keep=5)
+    assert fence.store.now() == 7.0
 
 
 def test_a_refusal_from_inside_the_function_says_what_became_of_the_call() -> None:
@@ -750,3 +754,206 @@ def test_a_refusal_from_inside_the_function_says_what_became_of_the_call() -> No
     notes = getattr(got.value, "__notes__", [])
     assert any("'order:1'" in n and "fenced as failed" in n for n in notes), notes
     assert fence.intent_status("order:1").state == "failed"
+
+
+def test_a_stop_iteration_after_an_abort_blip_reaches_the_caller_as_itself() -> None:
+    """The first fix caught PEP 479's RuntimeError only around the throw; when the abort
+    that follows meets a store blip, it came out of the next step after the pause, and the
+    caller heard RuntimeError again (found by review of that fix)."""
+    fence = EffectFence(store=Flaky(fail=1))
+
+    def effect(ticket: Any) -> None:
+        next(iter(()))
+
+    with pytest.raises(StopIteration):
+        run_sync(fence, req(), Options(), effect)
+    assert fence.intent_status("charge:1").state == "failed"
+
+
+def _join_workers(prefix: str) -> None:
+    for th in threading.enumerate():
+        if th.name.startswith(prefix):
+            th.join(BOUND)
+            assert not th.is_alive(), th.name
+
+
+@pytest.mark.parametrize("how", ["offloader", "default executor"])
+def test_a_commit_handed_off_as_the_loop_shuts_down_still_runs(how: str) -> None:
+    """The effect ran; a shutdown cancelling every task lands in the next loop turn. The
+    commit was handed to a task of its own, which the shutdown reached before its first
+    step: never sent. With the default executor the collector then aborted the intent (an
+    effect that succeeded fenced as failed); with an Offloader the idle worker kept the
+    parked driver alive, the intent stayed in flight, and once the lease lapsed an
+    identical call ran the effect again (found by review). The commit is queued at once."""
+    clock = FakeClock()
+    fence = EffectFence(FenceConfig(clock=clock, lease_ttl=10.0))
+    offloader = Offloader(1, name="commit-at-shutdown")
+    ran: list[int] = []
+
+    def cancel_all() -> None:
+        for task in asyncio.all_tasks():
+            task.cancel()
+
+    async def effect(ticket: Any) -> str:
+        ran.append(1)
+        asyncio.get_running_loop().call_soon(cancel_all)  # SIGTERM lands as it returns
+        return "charged"
+
+    async def main() -> None:
+        offload: Offloader | bool = offloader if how == "offloader" else True
+        task = asyncio.ensure_future(run_async(fence, req(), Options(), effect, offload=offload))
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    with contextlib.suppress(asyncio.CancelledError):
+        asyncio.run(main())  # waits for the default executor's jobs
+    offloader.close()
+    _join_workers("commit-at-shutdown")  # the Offloader's queued jobs have run
+    gc.collect()
+    status = fence.intent_status("charge:1")
+    assert status.state == "done", status
+    clock.advance(11.0)
+    again = run_sync(fence, req(), Options(), lambda ticket: ran.append(2) or "charged")
+    assert ran == [1] and not again.fresh and again.result == "charged"
+
+
+def test_a_commit_riding_out_a_blip_as_the_loop_shuts_down_still_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The effect ran; its commit met a store blip, and the task carrying it paused. A
+    shutdown cancelling every task reached it in the pause: the commit was never tried
+    again, the driver (kept alive by the idle worker) stayed parked, and once the lease
+    lapsed an identical call ran the effect a second time (found by review)."""
+    monkeypatch.setattr("effectfence.driver.COMMIT_RETRY_PAUSES", (2.0,))  # the shutdown within
+    clock = FakeClock()
+    fence = EffectFence(FenceConfig(lease_ttl=10.0), store=_ShutdownOnBlip(clock=clock))
+    offloader = Offloader(1, name="commit-blip-shutdown")
+    ran: list[int] = []
+
+    async def effect(ticket: Any) -> str:
+        ran.append(1)
+        return "charged"
+
+    async def main() -> None:
+        fence.store.loop = asyncio.get_running_loop()  # type: ignore[attr-defined]
+        task = asyncio.ensure_future(run_async(fence, req(), Options(), effect, offload=offloader))
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    with contextlib.suppress(asyncio.CancelledError):
+        asyncio.run(main())
+    # the Offloader lives on, as a server's does: its idle worker kept the parked driver
+    # alive, so not even the collector's last attempt came
+    gc.collect()
+    for _ in range(int(10.0 / 0.01)):  # the commit's pause is 2 s
+        if fence.intent_status("charge:1").state != "in_flight":
+            break
+        threading.Event().wait(0.01)
+    status = fence.intent_status("charge:1")
+    offloader.close()
+    _join_workers("commit-blip-shutdown")
+    assert status.state == "done", status
+    clock.advance(11.0)
+    again = run_sync(fence, req(), Options(), lambda ticket: ran.append(2) or "charged")
+    assert ran == [1] and not again.fresh
+
+
+class _ShutdownOnBlip(MemoryStore):
+    """complete() is unavailable once, and a shutdown that cancels every task is set to
+    land while the driver pauses before trying it again."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.blips = 1
+
+    def complete(self, *a: Any, **kw: Any) -> Any:
+        if self.blips:
+            self.blips -= 1
+            loop = self.loop
+            assert loop is not None
+
+            def cancel_all() -> None:
+                for task in asyncio.all_tasks():
+                    task.cancel()
+
+            loop.call_soon_threadsafe(loop.call_later, 0.2, cancel_all)  # in the pause
+            raise StoreUnavailable("complete: the store is down (simulated)")
+        return super().complete(*a, **kw)
+
+
+class _ThreadLimit:
+    """Thread.start fails once for threads named ``prefix`` (a process at its limit)."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.failed: list[str] = []
+
+    def __enter__(self) -> _ThreadLimit:
+        self.orig = orig = threading.Thread.start
+
+        def start(th: threading.Thread) -> None:
+            if th.name.startswith(self.prefix) and not self.failed:
+                self.failed.append(th.name)
+                raise RuntimeError("can't start new thread")
+            orig(th)
+
+        threading.Thread.start = start  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        threading.Thread.start = self.orig  # type: ignore[method-assign]
+
+
+def test_a_step_whose_worker_cannot_start_is_not_queued_behind_the_callers_back() -> None:
+    """The Offloader queued a prepare, then failed to start the thread for it: the caller
+    heard RuntimeError while its prepare stayed queued. A later step's worker ran it: the
+    intent admitted for a caller long gone, then aborted when the driver was let go: fenced
+    as failed for an effect that never began (found by review)."""
+    fence = EffectFence(store=MemoryStore())
+    offloader = Offloader(2, name="worker-limit")
+    ran: list[str] = []
+
+    async def effect(ticket: Any) -> str:
+        ran.append(ticket.intent)
+        return "charged"
+
+    async def main() -> None:
+        limit = _ThreadLimit("worker-limit")
+        with limit, pytest.raises(RuntimeError, match="can't start new thread"):
+            await run_async(fence, req(), Options(), effect, offload=offloader)
+        assert limit.failed
+        other = await run_async(fence, req("charge:2"), Options(), effect, offload=offloader)
+        assert other.fresh
+
+    asyncio.run(main())
+    offloader.close()
+    _join_workers("worker-limit")
+    gc.collect()
+    assert ran == ["charge:2"]
+    assert fence.intent_status("charge:1").state == "absent"
+
+
+def test_a_worker_that_cannot_start_leaves_the_offloader_working() -> None:
+    """A release handed off when no thread could start: it ran inline, but the Offloader
+    had counted a worker that never ran, so every later step on it waited for ever
+    (found by review)."""
+    fence = EffectFence(store=MemoryStore())
+    offloader = Offloader(1, name="one-worker")
+    off_loop = _off_loop(offloader)
+    assert off_loop is not None
+
+    async def main() -> None:
+        gen = drive(fence, req(), Options())
+        instr = gen.send(None)
+        assert isinstance(instr, Run)
+        with _ThreadLimit("one-worker") as limit:
+            _settle_later(off_loop, gen, (False, instr))  # a cancelled caller's admission
+        assert limit.failed
+        assert fence.intent_status("charge:1").state == "absent"  # released inline
+        assert await asyncio.wait_for(offloader.run(lambda: "stepped"), BOUND) == "stepped"
+
+    try:
+        asyncio.run(main())
+    finally:
+        offloader.close()
