@@ -253,11 +253,14 @@ def _again(step: Callable[[], _T]) -> Generator[Instruction, Any, _T]:
     """``step()``, tried again after each of :data:`COMMIT_RETRY_PAUSES` while the store is
     unavailable: a store step that settles an effect (commit, abort, release) is safe to
     repeat, and a short outage is better ridden out than left to the lease. The last
-    attempt's StoreUnavailable is raised."""
+    attempt's StoreUnavailable is raised, and at once one the store says not to retry (a
+    release whose reply was lost: retried, it answered lease_lost; found by review)."""
     for pause in COMMIT_RETRY_PAUSES:
         try:
             return step()
-        except StoreUnavailable:
+        except StoreUnavailable as exc:
+            if not exc.retryable:
+                raise
             yield Pause(pause)
     return step()
 

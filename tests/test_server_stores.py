@@ -42,6 +42,7 @@ from effectfence import (
     IntentInFlight,
     LeaseLost,
     StoreUnavailable,
+    fenced,
 )
 from effectfence.protocol import State
 from effectfence.store import open_store
@@ -1059,6 +1060,50 @@ def test_a_release_that_applied_and_lost_its_reply_is_not_lease_lost(
     assert not got.retryable and "can't be told" in got.message
     rec = store.get("charge:1")
     assert rec is not None and rec.token == retried[0].ticket.token
+
+
+class _BankDown(Exception):
+    """A function's own 'nothing was sent' error, declared did_not_fire."""
+
+
+@pytest.mark.parametrize("kind", ["redis", "postgres"])
+def test_the_driver_does_not_retry_a_release_the_store_says_not_to(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    """The case above through the driver: a did_not_fire exception, the release applied
+    and lost its reply, a new claim came first. The store answers "can't be told", not
+    retryable; the driver retried it anyway and the retry answered lease_lost, which the
+    caller's note then said (found by review of the store fix)."""
+    import importlib
+
+    store = request.getfixturevalue("rs" if kind == "redis" else "pg")
+    lost = importlib.import_module(f"effectfence.store.{kind}")._Lost
+    hook = "_call" if kind == "redis" else "_run"
+    fence = EffectFence(store=store)
+    other = EffectFence(store=store)
+    real = getattr(store, hook)
+    retried: list[Any] = []
+
+    def lost_after_applying(op: str, *args: Any) -> Any:
+        out = real(op, *args)
+        if op == "release" and not retried:
+            retried.append(other.prepare(req("pay:1", agent="b", domain="d")))
+            raise lost("connection reset")
+        return out
+
+    @fenced(fence, intent="pay:{n}", domain="d", agent="a", did_not_fire=(_BankDown,))
+    def pay(n: int) -> int:
+        setattr(store, hook, lost_after_applying)
+        raise _BankDown("bank down, nothing sent")
+
+    try:
+        with pytest.raises(_BankDown) as got:
+            pay(1)
+    finally:
+        setattr(store, hook, real)
+    assert retried and retried[0].fresh
+    notes = "\n".join(getattr(got.value, "__notes__", []))
+    assert "can't be told" in notes and "lease_lost" not in notes, notes
 
 
 def _clients(admin: Any, name: str, cmd: str | None = None) -> list[int]:
