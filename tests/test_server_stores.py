@@ -1774,6 +1774,62 @@ def test_redis_refuses_to_open_on_a_writable_replica(private_redis: Callable[...
         admin.close()
 
 
+def test_redis_refuses_to_open_where_the_role_cannot_be_read(
+    private_redis: Callable[..., str],
+) -> None:
+    """A user denied INFO and ROLE (CONFIG allowed: eviction is read and ruled out) opened
+    the store on a writable replica, unrefused, and a fence there and one on the master both
+    admitted one intent (found by review of the replica fix). A role that can't be read is
+    refused, as eviction that can't be read is."""
+    from effectfence.store.redis import RedisStore
+
+    master = private_redis()
+    port = master.rsplit(":", 1)[1].split("/")[0]
+    replica = private_redis("--replicaof", "127.0.0.1", port, "--replica-read-only", "no")
+    admin = _admin(replica)
+    admin.execute_command(
+        "ACL", "SETUSER", "fence", "on", ">pw", "~*", "&*", "+@all", "-info", "-role"
+    )
+    try:
+        with pytest.raises(StoreUnavailable) as refused:
+            RedisStore.from_url(replica.replace("redis://", "redis://fence:pw@") + "?prefix=rv_x")
+        assert "can't be read" in refused.value.message and not refused.value.retryable
+        assert admin.dbsize() == 0
+    finally:
+        admin.close()
+
+
+def test_redis_refuses_claims_once_its_master_is_demoted_to_a_writable_replica(
+    private_redis: Callable[..., str],
+) -> None:
+    """A failover demotes the server the store opened on (it rejoins as a replica of the
+    new master, replica-read-only no). The role was read only at open: the store went on
+    claiming there, each claim lost at the next resync, while a fence on the new master
+    admitted the same intent again (found by review). The role is read again with the
+    eviction settings before claims, and claims are refused."""
+    from effectfence.store.redis import RedisStore
+
+    old = private_redis("--replica-read-only", "no")
+    new = private_redis()
+    new_port = new.rsplit(":", 1)[1].split("/")[0]
+    on_old = RedisStore.from_url(old + "?prefix=rv_dem")
+    on_old.eviction_recheck = 0.0  # every claim reads the server's settings again
+    admin_old = _admin(old)
+    try:
+        assert EffectFence(store=on_old).prepare(req("before")).fresh
+        admin_old.execute_command("REPLICAOF", "127.0.0.1", new_port)  # the failover
+        deadline = time.monotonic() + 30
+        while admin_old.info("replication").get("master_link_status") != "up":
+            assert time.monotonic() < deadline, "the demoted server never synced"
+            time.sleep(0.05)
+        with pytest.raises(StoreUnavailable, match="role is slave, not master"):
+            EffectFence(store=on_old).prepare(req())
+        assert on_old.durability()["role"] == "slave"
+    finally:
+        on_old.close()
+        admin_old.close()
+
+
 def test_redis_refuses_to_open_for_a_user_who_may_not_publish(
     private_redis: Callable[..., str],
 ) -> None:

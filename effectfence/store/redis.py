@@ -648,6 +648,24 @@ def _num(x: float) -> str:
     return repr(min(float(x), NEVER))
 
 
+def _not_master(role: str | None) -> str | None:
+    """Why a server of this replication role can't hold the fence (None: it can). Fails
+    closed on a role that can't be read (found by review: the store opened there)."""
+    if role == "master":
+        return None
+    if role is None:
+        return (
+            "the server's replication role can't be read (INFO and ROLE refused to this "
+            "user): on a replica, writes are lost at its next resync and never reach the "
+            "master, where another fence would admit the same intent again"
+        )
+    return (
+        f"the server's role is {role}, not master: writes to a replica are lost at its next "
+        "resync and are not seen by the master, where another fence would admit the same "
+        "intent again. Open the store on the master"
+    )
+
+
 class RedisStore(FenceStore):
     """Store in one Redis database, shared by every process that reaches it.
 
@@ -738,6 +756,7 @@ class RedisStore(FenceStore):
         self._checked_at = time.monotonic()  # when the eviction settings were read
         self._recheck_lock = _fork.lock()
         self._evicting: str | None = None  # why claims are refused, while eviction is on
+        self._demoted: str | None = None  # why claims are refused, while not on a master
         try:
             # settings first: a server the store refuses gets nothing written
             self._durability = self._read_persistence()
@@ -906,19 +925,16 @@ class RedisStore(FenceStore):
         """Fail closed on a server known to be a replica: what it accepts (replica-read-only
         no) is lost at its next resync and never seen by the master, so a fence on the master
         admits the same intent again (found by review)."""
-        role = self._durability["role"]
-        if role is None or role == "master":
+        why = _not_master(self._durability["role"])
+        if why is None:
             return
         raise StoreUnavailable(
-            f"refusing to open the Redis store at {mask_url(self._url)}: the server is a "
-            f"replica (role {role}), not a master: writes to a replica are lost at its next "
-            "resync and are not seen by the master, where another fence would admit the same "
-            "intent again. Open the store on the master",
+            f"refusing to open the Redis store at {mask_url(self._url)}: {why}",
             operation="open",
             retryable=False,
-            recover="point the store's URL at the Redis master",
+            recover="point the store's URL at the Redis master, and let its user run INFO or ROLE",
             setting="role",
-            role=role,
+            role=self._durability["role"],
         )
 
     def _refuse_unheard(self) -> None:
@@ -990,12 +1006,17 @@ class RedisStore(FenceStore):
                 return
             try:
                 fresh = self._read_eviction()
+                # and the role: a failover that demoted this server to a writable replica
+                # left the store claiming there, each claim lost at the next resync while
+                # the new master admitted the intent again (found by review)
+                fresh["role"] = self._read_role()
             except (*_LOST, redis.exceptions.ResponseError) as exc:
                 raise self._unavailable("claim", exc) from exc
             self._checked_at = time.monotonic()
             self._durability.update(fresh)
             why = self._eviction_risk(self._durability)
             self._evicting = None if why is None or self.allow_eviction else why
+            self._demoted = _not_master(fresh["role"])
 
     def _eviction_risk(self, d: Mapping[str, Any]) -> str | None:
         """Why these settings may evict the fence's keys, or None when they cannot."""
@@ -1264,6 +1285,15 @@ class RedisStore(FenceStore):
         reserve_at: int | None,
     ) -> Step:
         self._recheck_eviction()
+        if self._demoted is not None:
+            raise StoreUnavailable(
+                f"can't claim {intent!r} on the Redis store at {mask_url(self._url)}: since it "
+                f"was opened, {self._demoted}. Nothing was decided",
+                operation="claim",
+                recover="point the store's URL at the Redis master, then retry",
+                setting="role",
+                role=self._durability["role"],
+            )
         if self._evicting is not None:
             settings = self._durability
             raise StoreUnavailable(
