@@ -482,24 +482,27 @@ async def _conclude(
     leave the intent in flight, and an identical call would run the effect again once the
     lease lapsed. The caller's cancellation still reaches the caller at once.
 
-    Off the loop, the whole of it is one job queued here and now, its pauses slept in its
-    thread: handed to a task, a shutdown that cancelled every task reached the task before
-    its first step, or in a pause, and the commit of an effect that ran was never tried
-    again; the driver, parked, was aborted by the collector or, kept alive by an idle
-    worker, left in flight until an identical call ran the effect again (found by review).
+    Off the loop, its first step is queued in a worker thread here and now, and a pause
+    is ridden out in a thread of its own (:func:`_after_effect`); no task carries it.
+    Handed to a task, a shutdown that cancelled every task reached the task before its
+    first step, or in a pause, and the commit of an effect that ran was never tried again;
+    the driver, parked, was aborted by the collector or, kept alive by an idle worker, left
+    in flight until an identical call ran the effect again (found by review).
 
     On the loop (``off_loop`` None) the steps never suspend, so nothing can cancel the
     first one; only a pause (a store error) needs the task below, and a cancel in its
     pause closes the driver, which makes one last attempt."""
     if off_loop is not None:
+        loop = asyncio.get_running_loop()
+        final: asyncio.Future[Any] = loop.create_future()
+        job = _Once(_after_effect, advance, how, value, loop, final)
         try:
-            fut = _queue(off_loop, _to_the_end, advance, how, value)
-        except RuntimeError:  # no thread to be had: the effect ran, record it here
-            ran: FencedCall = _to_the_end(advance, how, value)
-            return ran
-        _SETTLING.add(fut)
-        fut.add_done_callback(_forget)
-        done: FencedCall = await asyncio.shield(fut)
+            _queue(off_loop, job)
+        except RuntimeError:  # no thread to be had: here, unless a queued copy took it
+            job()
+        _SETTLING.add(final)
+        final.add_done_callback(_forget)
+        done: FencedCall = await asyncio.shield(final)
         return done
     finished, pending = await step(how, value)
     if finished:
@@ -526,15 +529,62 @@ async def _conclude(
     return await asyncio.shield(task)
 
 
-def _to_the_end(advance: Callable[[str, Any], tuple[bool, Any]], how: str, value: Any) -> Any:
-    """In a worker thread: the steps after the effect, pausing here between retries."""
-    finished, instr = advance(how, value)
-    while not finished:
-        if not isinstance(instr, Pause):  # after the effect, drive only pauses
-            raise AssertionError(f"unexpected instruction after the effect: {instr!r}")
-        time.sleep(instr.seconds)
-        finished, instr = advance("send", None)
-    return instr
+def _after_effect(
+    advance: Callable[[str, Any], tuple[bool, Any]],
+    how: str,
+    value: Any,
+    loop: asyncio.AbstractEventLoop,
+    final: asyncio.Future[Any],
+) -> None:
+    """In a worker thread: the first step after the effect; its outcome goes to ``final``.
+    A pause (the store failing) is ridden out in a thread of its own: slept in the worker,
+    it held up the steps and lease renewals of other calls queued behind it, and a lease
+    lapsed mid-effect (found by review)."""
+    try:
+        finished, instr = advance(how, value)
+    except BaseException as exc:
+        _deliver(loop, final, None, exc)
+        return
+    if finished:
+        _deliver(loop, final, instr, None)
+        return
+
+    def ride(instr: Any) -> None:
+        try:
+            finished = False
+            while not finished:
+                if not isinstance(instr, Pause):  # after the effect, drive only pauses
+                    raise AssertionError(f"unexpected instruction after the effect: {instr!r}")
+                time.sleep(instr.seconds)
+                finished, instr = advance("send", None)
+        except BaseException as exc:
+            _deliver(loop, final, None, exc)
+        else:
+            _deliver(loop, final, instr, None)
+
+    ctx = contextvars.copy_context()
+    try:
+        threading.Thread(
+            target=ctx.run, args=(ride, instr), name="effectfence-settle", daemon=True
+        ).start()
+    except RuntimeError:  # no thread to be had: here, then
+        ride(instr)
+
+
+class _Once:
+    """A job that may end up queued twice (a default executor that raised after queueing
+    it, and the caller then running it itself): the first call runs it, any other none."""
+
+    __slots__ = ("_args", "_fn", "_lock")
+
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+        self._fn = fn
+        self._args = args
+        self._lock = threading.Lock()
+
+    def __call__(self, **kw: Any) -> None:
+        if self._lock.acquire(blocking=False):
+            self._fn(*self._args, **kw)
 
 
 def _forget(fut: asyncio.Future[Any]) -> None:
@@ -615,10 +665,11 @@ def _settle_later(
     every task reached that one before its first step, the release never ran, and the
     collector closing the driver aborted the intent for an effect that never began (found
     by review). A loop whose executor is already shut down settles here, without waiting."""
+    job = _Once(_settle, gen, got)
     try:
-        fut = _queue(off_loop, _settle, gen, got)
-    except RuntimeError:
-        _settle(gen, got, wait=False)
+        fut = _queue(off_loop, job)
+    except RuntimeError:  # no thread to be had: here, unless a queued copy took it
+        job(wait=False)
         return
     _SETTLING.add(fut)
     fut.add_done_callback(_forget)
@@ -627,7 +678,8 @@ def _settle_later(
 def _queue(off_loop: Callable[..., Awaitable[Any]], fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` in a worker thread of ``off_loop`` (an Offloader's, or the loop's
     default executor for ``asyncio.to_thread``), queued here and now: its future. Raises
-    RuntimeError, leaving nothing queued, where no thread can take it."""
+    RuntimeError where no thread can take it; the default executor may have queued the
+    job all the same (it queues before it starts a thread), so give it a :class:`_Once`."""
     owner = getattr(off_loop, "__self__", None)
     if isinstance(owner, Offloader):
         return owner.submit(fn, *args)

@@ -30,7 +30,7 @@ from effectfence.driver import (
     run_async,
     run_sync,
 )
-from effectfence.errors import StoreUnavailable
+from effectfence.errors import IntentInFlight, StoreUnavailable
 from effectfence.store.memory import MemoryStore
 
 BOUND = 20.0
@@ -957,3 +957,90 @@ def test_a_worker_that_cannot_start_leaves_the_offloader_working() -> None:
         asyncio.run(main())
     finally:
         offloader.close()
+
+
+def test_a_commit_riding_out_a_blip_leaves_other_calls_renewals_alone() -> None:
+    """A's effect ran; its commit meets four store blips. Its retry pauses were slept in
+    the Offloader's worker (the first fix of the shutdown case): B's lease renewals queued
+    behind it, B's lease lapsed mid-effect and an identical call was admitted again: B's
+    effect could run twice (found by review of that fix). Pauses are ridden out in a thread
+    of their own."""
+    store = Flaky(complete=4)  # pauses 0.05 + 0.2 + 0.5 + 1.0 s, then it applies
+    fence = EffectFence(FenceConfig(lease_ttl=1.0), store=store)
+    offloader = Offloader(1, name="renewals-alone")
+    b_started = threading.Event()
+    taken_over: list[bool] = []
+
+    async def main() -> None:
+        b_may_end = asyncio.Event()
+
+        async def effect_b(ticket: Any) -> str:
+            b_started.set()
+            await b_may_end.wait()
+            return "b"
+
+        async def effect_a(ticket: Any) -> str:
+            return "a"
+
+        options = Options(renew_every=0.1)
+        b = asyncio.ensure_future(
+            run_async(fence, req("charge:B"), options, effect_b, offload=offloader)
+        )
+        async with asyncio.timeout(BOUND):
+            while not b_started.is_set():
+                await asyncio.sleep(0.005)
+        a = asyncio.ensure_future(
+            run_async(fence, req("charge:A"), Options(), effect_a, offload=offloader)
+        )
+        async with asyncio.timeout(BOUND):
+            while store.calls.get("complete", 0) < 4:  # A's commit is in its last pause
+                await asyncio.sleep(0.005)
+        await asyncio.sleep(0.5)  # half of that 1 s pause: B renewed every 0.1 s meanwhile
+        with contextlib.suppress(IntentInFlight):  # another process's identical call
+            taken_over.append(fence.prepare(req("charge:B")).fresh)
+        b_may_end.set()
+        async with asyncio.timeout(BOUND):
+            assert (await a).fresh and (await b).fresh
+
+    asyncio.run(main())
+    offloader.close()
+    _join_workers("renewals-alone")
+    assert taken_over == []
+
+
+@pytest.mark.parametrize("raised", [False, True])
+def test_a_step_the_default_executor_queued_as_it_failed_runs_once(
+    monkeypatch: pytest.MonkeyPatch, raised: bool
+) -> None:
+    """offload=True: the default executor queues a job before it starts a thread for it.
+    A thread that could not start: the commit (or abort) ran here, and the queued copy ran
+    as well once a thread was free: two drivers of one generator, run_async returned None,
+    and an abort could be lost (found by review). The first to start runs it, once."""
+    monkeypatch.setattr("effectfence.driver.COMMIT_RETRY_PAUSES", (0.5,))
+    fence = EffectFence(store=Flaky(fail=1) if raised else Flaky(complete=1))
+    gate = threading.Event()
+    limit = _ThreadLimit("asyncio")
+
+    async def effect(ticket: Any) -> str:
+        loop = asyncio.get_running_loop()
+        loop.run_in_executor(None, gate.wait, BOUND)  # the executor's one thread is busy
+        limit.__enter__()  # and no other can start now
+        threading.Timer(0.05, gate.set).start()  # the busy thread frees up soon
+        if raised:
+            raise ValueError("card declined")
+        return "charged"
+
+    async def main() -> Any:
+        try:
+            return await run_async(fence, req(), Options(), effect, offload=True)
+        finally:
+            limit.__exit__()
+
+    if raised:
+        with pytest.raises(ValueError, match="card declined"):
+            asyncio.run(main())
+    else:
+        done = asyncio.run(main())
+        assert done is not None and done.result == "charged", done
+    assert limit.failed
+    assert fence.intent_status("charge:1").state == ("failed" if raised else "done")
