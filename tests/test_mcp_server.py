@@ -1090,3 +1090,46 @@ async def test_a_read_never_waits_behind_writes_parked_on_the_store(tmp_path: Pa
     finally:
         go.set()
         fence.close()
+
+
+def test_an_undelivered_tickets_release_is_queued_before_a_shutdown_can_cancel_it(
+    tmp_path: Path,
+) -> None:
+    """A fresh ticket whose caller went away is released by the server (after_cancel). The
+    release was handed to a task of its own: a shutdown cancelling every task reached it
+    before its first step, and the intent stayed held by nobody until its lease lapsed
+    (the driver's case, found by review; this one by reading the server after it)."""
+    import asyncio
+    import threading
+
+    from effectfence.mcp.server import _FenceTools
+    from effectfence.mcp.telemetry import Decision
+    from effectfence.tickets import TicketSigner
+
+    fence = EffectFence.from_url(f"sqlite:///{tmp_path}/f.db")
+    tools = _FenceTools(
+        fence, TicketSigner.for_store(fence.store), False, metrics=Metrics(), authenticated=False
+    )
+    req = EffectRequest("charge:1", "order:1", "charge", {"cents": 1}, "a")
+
+    async def main() -> None:
+        d = Decision("fence_prepare", None)
+        d.intent, d.domain = req.intent, req.domain
+        d.ticket = fence.prepare(req).ticket
+        d.outcome, d.token = "fresh", d.ticket.token
+        job = asyncio.get_running_loop().create_future()
+        job.set_result(None)  # the step finished for a caller gone
+        tools.after_cancel(d, job)
+        for task in asyncio.all_tasks():  # a shutdown, as a SIGTERM handler does
+            if task is not asyncio.current_task():
+                task.cancel()
+
+    try:
+        asyncio.run(main())
+        tools.offloader.close()
+        for th in threading.enumerate():
+            if th.name.startswith("effectfence-mcp"):
+                th.join(20.0)
+        assert fence.intent_status("charge:1").state == "absent"
+    finally:
+        fence.close(timeout=0)

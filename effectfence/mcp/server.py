@@ -314,6 +314,15 @@ def _request_scope(ctx: Context[Any, Any] | None) -> dict[str, Any] | None:
     return scope if isinstance(scope, dict) else None
 
 
+def _release_inline(fence: EffectFence, ticket: Any) -> BaseException | None:
+    """Release ``ticket`` here, on the loop (no worker thread could be had); its error."""
+    try:
+        fence.release(ticket)
+    except Exception as exc:  # a refusal or the store's fault: logged, as after_cancel
+        return exc
+    return None
+
+
 def _decision(tool: str, ctx: Context[Any, Any] | None) -> Decision:
     """A call's :class:`Decision`: the principal the HTTP gate authenticated for this
     request (None without one), and whether it came over HTTP."""
@@ -506,7 +515,14 @@ class _FenceTools:
                 failed = step.exception() if not step.cancelled() else None
                 self._note_release(d, failed)
 
-            step = asyncio.ensure_future(self.off_loop(self.fence.release, ticket))
+            # queued in a worker thread now, not handed to a task: a shutdown cancelling
+            # every task could reach that task before its first step, and the ticket stayed
+            # held by nobody until its lease lapsed (the driver's own case, found by review)
+            try:
+                step = self.offloader.submit(self.fence.release, ticket)
+            except RuntimeError:  # no thread to be had: nobody else will release it
+                self._note_release(d, _release_inline(self.fence, ticket))
+                return
             step.add_done_callback(released)
             self._background.add(step)
             step.add_done_callback(self._background.discard)
