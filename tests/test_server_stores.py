@@ -1813,6 +1813,7 @@ def test_redis_refuses_claims_once_its_master_is_demoted_to_a_writable_replica(
     new = private_redis()
     new_port = new.rsplit(":", 1)[1].split("/")[0]
     on_old = RedisStore.from_url(old + "?prefix=rv_dem")
+    assert "not master" not in on_old.durability()["verdict"]
     on_old.eviction_recheck = 0.0  # every claim reads the server's settings again
     admin_old = _admin(old)
     try:
@@ -1824,7 +1825,10 @@ def test_redis_refuses_claims_once_its_master_is_demoted_to_a_writable_replica(
             time.sleep(0.05)
         with pytest.raises(StoreUnavailable, match="role is slave, not master"):
             EffectFence(store=on_old).prepare(req())
-        assert on_old.durability()["role"] == "slave"
+        d = on_old.durability()
+        # the verdict follows the role: it still called the demoted server safe (review)
+        assert d["role"] == "slave" and not d["acknowledged_writes_survive_a_crash"]
+        assert "not master" in d["verdict"], d["verdict"]
     finally:
         on_old.close()
         admin_old.close()

@@ -757,6 +757,7 @@ class RedisStore(FenceStore):
         self._recheck_lock = _fork.lock()
         self._evicting: str | None = None  # why claims are refused, while eviction is on
         self._demoted: str | None = None  # why claims are refused, while not on a master
+        self._judged_at_open: tuple[bool, str] | None = None  # the verdict, while demoted
         try:
             # settings first: a server the store refuses gets nothing written
             self._durability = self._read_persistence()
@@ -1017,6 +1018,20 @@ class RedisStore(FenceStore):
             why = self._eviction_risk(self._durability)
             self._evicting = None if why is None or self.allow_eviction else why
             self._demoted = _not_master(fresh["role"])
+            self._judge_role()
+
+    def _judge_role(self) -> None:
+        """The verdict follows a role read again: demoted, the server was still called safe
+        beside its new role (found by review); master again, the verdict read at open."""
+        d = self._durability
+        if self._demoted is not None:
+            if self._judged_at_open is None:
+                self._judged_at_open = (d["acknowledged_writes_survive_a_crash"], d["verdict"])
+            d["acknowledged_writes_survive_a_crash"] = False
+            d["verdict"] = f"{self._demoted} (since the store opened); not safe for effects"
+        elif self._judged_at_open is not None:
+            d["acknowledged_writes_survive_a_crash"], d["verdict"] = self._judged_at_open
+            self._judged_at_open = None
 
     def _eviction_risk(self, d: Mapping[str, Any]) -> str | None:
         """Why these settings may evict the fence's keys, or None when they cannot."""
