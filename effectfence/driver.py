@@ -196,8 +196,8 @@ def _carry(
             # took the lapsed lease over: its own error was lost, found by review)
             then = (
                 "it stays in flight until its lease lapses"
-                if isinstance(refused, StoreUnavailable)
-                else f"refused {refused.code}"
+                if isinstance(refused, StoreUnavailable) and refused.retryable
+                else f"refused {refused.code}"  # not retryable: the store said why (above)
             )
             exc.add_note(
                 f"effectfence: intent {ticket.intent!r} could not be {what} "
