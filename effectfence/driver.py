@@ -537,9 +537,7 @@ def _after_effect(
     final: asyncio.Future[Any],
 ) -> None:
     """In a worker thread: the first step after the effect; its outcome goes to ``final``.
-    A pause (the store failing) is ridden out in a thread of its own: slept in the worker,
-    it held up the steps and lease renewals of other calls queued behind it, and a lease
-    lapsed mid-effect (found by review)."""
+    A pause (the store failing) is ridden out in a thread of its own (:func:`_aside`)."""
     try:
         finished, instr = advance(how, value)
     except BaseException as exc:
@@ -562,13 +560,7 @@ def _after_effect(
         else:
             _deliver(loop, final, instr, None)
 
-    ctx = contextvars.copy_context()
-    try:
-        threading.Thread(
-            target=ctx.run, args=(ride, instr), name="effectfence-settle", daemon=True
-        ).start()
-    except RuntimeError:  # no thread to be had: here, then
-        ride(instr)
+    _aside(ride, instr)
 
 
 class _Once:
@@ -615,7 +607,7 @@ class _Handoff:
             self._done = got
             left = self._left
         if left:
-            _settle(self._gen, got)
+            _settle(self._gen, got, aside=True)  # in a shared worker
         return got
 
     def leave(self) -> tuple[bool, Any] | None:
@@ -627,7 +619,11 @@ class _Handoff:
 
 
 def _settle(
-    gen: Generator[Instruction, Any, FencedCall], got: tuple[bool, Any], *, wait: bool = True
+    gen: Generator[Instruction, Any, FencedCall],
+    got: tuple[bool, Any],
+    *,
+    wait: bool = True,
+    aside: bool = False,
 ) -> None:
     """Nobody acts on this step's outcome: an admission is released (the effect never
     started), a wait is dropped; a finished call needs nothing.
@@ -636,15 +632,29 @@ def _settle(
     thread, or a caller that may block); a dropped Pause left it untried after the first
     blip, the intent in flight by nobody until its lease lapsed (found by review). Without
     ``wait`` (a coroutine being closed) the generator is closed at the first Pause, which
-    makes one last attempt without one."""
+    makes one last attempt without one. ``aside``: called in a shared worker thread, whose
+    pauses go to a thread of their own (:func:`_aside`)."""
     finished, instr = got
     if finished:
         return
     if not isinstance(instr, Run):
         gen.close()
         return
-    with contextlib.suppress(_NotStarted, Refusal, StopIteration):
+    try:
         instr = gen.throw(_NotStarted())
+    except (_NotStarted, Refusal, StopIteration):
+        return
+    if aside and wait and isinstance(instr, Pause):
+        _aside(_ride_release, gen, instr)  # not slept in a shared worker (see _aside)
+        return
+    _ride_release(gen, instr, wait=wait)
+
+
+def _ride_release(
+    gen: Generator[Instruction, Any, FencedCall], instr: Any, *, wait: bool = True
+) -> None:
+    """:func:`_settle`'s release from its first pause on."""
+    with contextlib.suppress(_NotStarted, Refusal, StopIteration):
         while isinstance(instr, Pause):
             if not wait:
                 gen.close()
@@ -652,6 +662,20 @@ def _settle(
             time.sleep(instr.seconds)
             instr = gen.send(None)
         gen.close()  # cannot happen: after a release drive yields only pauses (fail closed)
+
+
+def _aside(fn: Callable[..., Any], *args: Any) -> None:
+    """``fn(*args)`` in a thread of its own, started here, for a settle step's retry
+    pauses. Slept in a shared worker, they held up the steps and lease renewals of other
+    calls queued behind it, and a lease lapsed mid-effect (found by review). Not a daemon:
+    a process ending (``asyncio.run`` returned) waits for it, as for the executor it
+    replaces; a daemon was cut off between two tries of a commit, and once the lease lapsed
+    the effect ran again (found by review)."""
+    ctx = contextvars.copy_context()
+    try:
+        threading.Thread(target=ctx.run, args=(fn, *args), name="effectfence-settle").start()
+    except RuntimeError:  # no thread to be had (or the interpreter is ending): here, then
+        fn(*args)
 
 
 def _settle_later(
@@ -665,7 +689,7 @@ def _settle_later(
     every task reached that one before its first step, the release never ran, and the
     collector closing the driver aborted the intent for an effect that never began (found
     by review). A loop whose executor is already shut down settles here, without waiting."""
-    job = _Once(_settle, gen, got)
+    job = _Once(functools.partial(_settle, aside=True), gen, got)
     try:
         fut = _queue(off_loop, job)
     except RuntimeError:  # no thread to be had: here, unless a queued copy took it

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import textwrap
 import threading
 from pathlib import Path
 from typing import Any
@@ -1044,3 +1045,125 @@ def test_a_step_the_default_executor_queued_as_it_failed_runs_once(
         assert done is not None and done.result == "charged", done
     assert limit.failed
     assert fence.intent_status("charge:1").state == ("failed" if raised else "done")
+
+
+def test_a_cancelled_callers_release_riding_out_a_blip_leaves_other_calls_renewals_alone() -> None:
+    """The release of a cancelled caller's admission slept its retry pauses in the shared
+    worker, as the commit's once did: B's renewals queued behind them, B's lease lapsed
+    mid-effect, and an identical call was admitted again (found by review)."""
+    store = Flaky(release=4)  # pauses 0.05 + 0.2 + 0.5 + 1.0 s, then it applies
+    fence = EffectFence(FenceConfig(lease_ttl=1.0), store=store)
+    offloader = Offloader(1, name="release-renewals")
+    b_started = threading.Event()
+    taken_over: list[bool] = []
+
+    async def main() -> None:
+        b_may_end = asyncio.Event()
+
+        async def effect_b(ticket: Any) -> str:
+            b_started.set()
+            await b_may_end.wait()
+            return "b"
+
+        async def effect_a(ticket: Any) -> str:
+            raise AssertionError("A's effect must not run")
+
+        options = Options(renew_every=0.1)
+        b = asyncio.ensure_future(
+            run_async(fence, req("charge:B"), options, effect_b, offload=offloader)
+        )
+        async with asyncio.timeout(BOUND):
+            while not b_started.is_set():
+                await asyncio.sleep(0.005)
+        gate = threading.Event()
+        store.claim_entered.clear()
+        store.claim_gate = gate
+        a = asyncio.ensure_future(
+            run_async(fence, req("charge:A"), Options(), effect_a, offload=offloader)
+        )
+        async with asyncio.timeout(BOUND):
+            while not store.claim_entered.is_set():
+                await asyncio.sleep(0.005)
+        a.cancel()  # A's caller goes away while its claim runs in the worker
+        with contextlib.suppress(asyncio.CancelledError):
+            await a
+        gate.set()
+        async with asyncio.timeout(BOUND):
+            while store.calls.get("release", 0) < 4:  # A's release is in its last pause
+                await asyncio.sleep(0.005)
+        await asyncio.sleep(0.5)  # half of that 1 s pause: B renewed every 0.1 s meanwhile
+        with contextlib.suppress(IntentInFlight):  # another process's identical call
+            taken_over.append(fence.prepare(req("charge:B")).fresh)
+        b_may_end.set()
+        async with asyncio.timeout(BOUND):
+            assert (await b).fresh
+
+    asyncio.run(main())
+    offloader.close()
+    _join_workers("release-renewals")
+    _join_workers("effectfence-settle")
+    assert fence.intent_status("charge:A").state == "absent"
+    assert taken_over == []
+
+
+CHILD = textwrap.dedent(
+    """
+    import asyncio, contextlib, sys
+    import effectfence.driver as drv
+    from effectfence import EffectFence, FenceConfig
+    from effectfence.driver import Options, run_async
+    from effectfence.errors import StoreUnavailable
+    from effectfence.store.sqlite import SQLiteStore
+    from effectfence.model import EffectRequest
+
+    drv.COMMIT_RETRY_PAUSES = (1.0,)  # one blip, one pause of 1 s
+
+    class Blip(SQLiteStore):
+        blips = 1
+        def complete(self, *a, **kw):
+            if Blip.blips:
+                Blip.blips -= 1
+                raise StoreUnavailable("complete: the store is down (simulated)")
+            return super().complete(*a, **kw)
+
+    fence = EffectFence(FenceConfig(lease_ttl=30.0), store=Blip(sys.argv[1]))
+
+    async def effect(ticket):
+        loop = asyncio.get_running_loop()
+        def cancel_all():  # Ctrl-C / SIGTERM during the commit's retry pause
+            for task in asyncio.all_tasks():
+                task.cancel()
+        loop.call_later(0.3, cancel_all)
+        return "charged"
+
+    async def main():
+        req = EffectRequest("charge:1", "order:1", "charge", {"cents": 100}, "a")
+        with contextlib.suppress(asyncio.CancelledError):
+            await run_async(fence, req, Options(), effect, offload=True)
+
+    with contextlib.suppress(asyncio.CancelledError):
+        asyncio.run(main())  # waits for the default executor's jobs
+    print("exited")
+    """
+)
+
+
+def test_a_commit_riding_out_a_blip_outlives_the_process_ending(tmp_path: Path) -> None:
+    """offload=True; the effect ran; its commit met a store blip and a shutdown landed in
+    the retry pause. asyncio.run returned and the script ended, while the pause was ridden
+    out in a daemon thread nobody waited for: the commit was never tried again, the intent
+    stayed in flight, and once its lease lapsed the effect ran again (found by review).
+    The thread is not a daemon: the process waits for it."""
+    import subprocess
+    import sys
+
+    db = tmp_path / "fence.db"
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, str(db)], capture_output=True, text=True, timeout=60
+    )
+    assert "exited" in out.stdout, out.stderr
+    fence = EffectFence.from_url(f"sqlite:///{db}")
+    try:
+        assert fence.intent_status("charge:1").state == "done"
+    finally:
+        fence.close()
