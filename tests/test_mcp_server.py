@@ -1133,3 +1133,66 @@ def test_an_undelivered_tickets_release_is_queued_before_a_shutdown_can_cancel_i
         assert fence.intent_status("charge:1").state == "absent"
     finally:
         fence.close(timeout=0)
+
+
+def test_a_prepare_a_shutdown_cancels_in_its_worker_leaves_nothing_held(tmp_path: Path) -> None:
+    """The prepare was carried by a task of its own: a shutdown cancelling every task
+    cancelled it while the claim went on in its worker, and after_cancel, seeing a cancelled
+    task, let the fresh ticket nobody received be: held by nobody until its lease lapsed
+    (found by review). The step is a future now, which a shutdown does not cancel."""
+    import asyncio
+    import contextlib
+    import threading
+
+    from effectfence.mcp.models import PrepareInput
+    from effectfence.mcp.server import _FenceTools
+    from effectfence.mcp.telemetry import Decision
+    from effectfence.tickets import TicketSigner
+
+    fence = EffectFence.from_url(f"sqlite:///{tmp_path}/f.db")
+    tools = _FenceTools(
+        fence, TicketSigner.for_store(fence.store), False, metrics=Metrics(), authenticated=False
+    )
+    entered, go, claimed = threading.Event(), threading.Event(), threading.Event()
+    real = fence.request
+
+    def held_request(*a: Any, **kw: Any) -> Any:
+        entered.set()
+        assert go.wait(20.0)
+        try:
+            return real(*a, **kw)
+        finally:
+            claimed.set()
+
+    fence.request = held_request  # type: ignore[method-assign]
+    req = PrepareInput(
+        intent="charge:1", domain="order:1", tool="charge", args={"cents": 1}, agent="a"
+    )
+
+    async def main() -> None:
+        call = asyncio.ensure_future(
+            tools.off_loop_to_the_end(tools.prepare, req, Decision("fence_prepare", None))
+        )
+        async with asyncio.timeout(20.0):
+            while not entered.is_set():
+                await asyncio.sleep(0.005)
+        for task in asyncio.all_tasks():  # a shutdown, as a SIGTERM handler does
+            if task is not asyncio.current_task():
+                task.cancel()
+        go.set()  # the prepare, already in its worker, goes on and claims the intent
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(5.0):  # claimed, then released by after_cancel
+                while not claimed.is_set() or fence.intent_status("charge:1").state != "absent":
+                    await asyncio.sleep(0.01)
+
+    try:
+        asyncio.run(main())
+        tools.offloader.close()
+        for th in threading.enumerate():
+            if th.name.startswith("effectfence-mcp"):
+                th.join(20.0)
+        assert fence.intent_status("charge:1").state == "absent"
+    finally:
+        fence.close(timeout=0)

@@ -482,7 +482,10 @@ class _FenceTools:
             return result
         if read_only:
             return await self.readers.run(op, req, d)  # a read: nothing to finish or log
-        job = asyncio.ensure_future(self.off_loop(op, req, d))
+        # queued on a worker now, a future and not a task: a shutdown cancelling every
+        # task cancelled the task carrying a prepare that went on in its worker, and
+        # after_cancel let its fresh ticket be, held by nobody (found by review)
+        job = self.offloader.submit(op, req, d)
         try:
             result = await asyncio.shield(job)
             # a cancel that came after the step finished but before this task resumed is
