@@ -1835,6 +1835,34 @@ def test_redis_refuses_claims_once_its_master_is_demoted_to_a_writable_replica(
         admin_old.close()
 
 
+def test_redis_verdict_follows_an_eviction_policy_read_again(
+    private_redis: Callable[..., str],
+) -> None:
+    """Switched to an evicting policy after the store opened, the server's claims are
+    refused, but durability() kept the crash-safe verdict read at open, beside eviction
+    'possible' (found by review of the role fix, which made the verdict follow the role)."""
+    from effectfence.store.redis import RedisStore
+
+    url = private_redis("--maxmemory", "100mb", "--maxmemory-policy", "noeviction")
+    admin = _admin(url)
+    store = RedisStore.from_url(url + "?prefix=rv_evv")
+    store.eviction_recheck = 0.0
+    try:
+        assert "evict" not in store.durability()["verdict"].lower()
+        admin.config_set("maxmemory-policy", "allkeys-lru")
+        with pytest.raises(StoreUnavailable, match="allkeys-lru"):
+            EffectFence(store=store).prepare(req())
+        d = store.durability()
+        assert d["eviction"] == "possible" and not d["acknowledged_writes_survive_a_crash"]
+        assert "evict" in d["verdict"].lower(), d["verdict"]
+        admin.config_set("maxmemory-policy", "noeviction")  # put back: so is the verdict
+        assert EffectFence(store=store).prepare(req()).fresh
+        assert "evict" not in store.durability()["verdict"].lower()
+    finally:
+        store.close()
+        admin.close()
+
+
 def test_redis_refuses_to_open_for_a_user_who_may_not_publish(
     private_redis: Callable[..., str],
 ) -> None:

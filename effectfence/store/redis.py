@@ -1018,17 +1018,19 @@ class RedisStore(FenceStore):
             why = self._eviction_risk(self._durability)
             self._evicting = None if why is None or self.allow_eviction else why
             self._demoted = _not_master(fresh["role"])
-            self._judge_role()
+            self._judge()
 
-    def _judge_role(self) -> None:
-        """The verdict follows a role read again: demoted, the server was still called safe
-        beside its new role (found by review); master again, the verdict read at open."""
+    def _judge(self) -> None:
+        """The verdict follows the settings read again: demoted, or evicting, the server was
+        still called safe beside its new settings (found by review, twice); safe again, the
+        verdict read at open comes back."""
         d = self._durability
-        if self._demoted is not None:
+        why = [r for r in (self._demoted, self._evicting) if r is not None]
+        if why:
             if self._judged_at_open is None:
                 self._judged_at_open = (d["acknowledged_writes_survive_a_crash"], d["verdict"])
             d["acknowledged_writes_survive_a_crash"] = False
-            d["verdict"] = f"{self._demoted} (since the store opened); not safe for effects"
+            d["verdict"] = f"{'; '.join(why)} (since the store opened); not safe for effects"
         elif self._judged_at_open is not None:
             d["acknowledged_writes_survive_a_crash"], d["verdict"] = self._judged_at_open
             self._judged_at_open = None
