@@ -960,55 +960,6 @@ def test_a_worker_that_cannot_start_leaves_the_offloader_working() -> None:
         offloader.close()
 
 
-def test_a_commit_riding_out_a_blip_leaves_other_calls_renewals_alone() -> None:
-    """A's effect ran; its commit meets four store blips. Its retry pauses were slept in
-    the Offloader's worker (the first fix of the shutdown case): B's lease renewals queued
-    behind it, B's lease lapsed mid-effect and an identical call was admitted again: B's
-    effect could run twice (found by review of that fix). Pauses are ridden out in a thread
-    of their own."""
-    store = Flaky(complete=4)  # pauses 0.05 + 0.2 + 0.5 + 1.0 s, then it applies
-    fence = EffectFence(FenceConfig(lease_ttl=1.0), store=store)
-    offloader = Offloader(1, name="renewals-alone")
-    b_started = threading.Event()
-    taken_over: list[bool] = []
-
-    async def main() -> None:
-        b_may_end = asyncio.Event()
-
-        async def effect_b(ticket: Any) -> str:
-            b_started.set()
-            await b_may_end.wait()
-            return "b"
-
-        async def effect_a(ticket: Any) -> str:
-            return "a"
-
-        options = Options(renew_every=0.1)
-        b = asyncio.ensure_future(
-            run_async(fence, req("charge:B"), options, effect_b, offload=offloader)
-        )
-        async with asyncio.timeout(BOUND):
-            while not b_started.is_set():
-                await asyncio.sleep(0.005)
-        a = asyncio.ensure_future(
-            run_async(fence, req("charge:A"), Options(), effect_a, offload=offloader)
-        )
-        async with asyncio.timeout(BOUND):
-            while store.calls.get("complete", 0) < 4:  # A's commit is in its last pause
-                await asyncio.sleep(0.005)
-        await asyncio.sleep(0.5)  # half of that 1 s pause: B renewed every 0.1 s meanwhile
-        with contextlib.suppress(IntentInFlight):  # another process's identical call
-            taken_over.append(fence.prepare(req("charge:B")).fresh)
-        b_may_end.set()
-        async with asyncio.timeout(BOUND):
-            assert (await a).fresh and (await b).fresh
-
-    asyncio.run(main())
-    offloader.close()
-    _join_workers("renewals-alone")
-    assert taken_over == []
-
-
 @pytest.mark.parametrize("raised", [False, True])
 def test_a_step_the_default_executor_queued_as_it_failed_runs_once(
     monkeypatch: pytest.MonkeyPatch, raised: bool
@@ -1045,65 +996,6 @@ def test_a_step_the_default_executor_queued_as_it_failed_runs_once(
         assert done is not None and done.result == "charged", done
     assert limit.failed
     assert fence.intent_status("charge:1").state == ("failed" if raised else "done")
-
-
-def test_a_cancelled_callers_release_riding_out_a_blip_leaves_other_calls_renewals_alone() -> None:
-    """The release of a cancelled caller's admission slept its retry pauses in the shared
-    worker, as the commit's once did: B's renewals queued behind them, B's lease lapsed
-    mid-effect, and an identical call was admitted again (found by review)."""
-    store = Flaky(release=4)  # pauses 0.05 + 0.2 + 0.5 + 1.0 s, then it applies
-    fence = EffectFence(FenceConfig(lease_ttl=1.0), store=store)
-    offloader = Offloader(1, name="release-renewals")
-    b_started = threading.Event()
-    taken_over: list[bool] = []
-
-    async def main() -> None:
-        b_may_end = asyncio.Event()
-
-        async def effect_b(ticket: Any) -> str:
-            b_started.set()
-            await b_may_end.wait()
-            return "b"
-
-        async def effect_a(ticket: Any) -> str:
-            raise AssertionError("A's effect must not run")
-
-        options = Options(renew_every=0.1)
-        b = asyncio.ensure_future(
-            run_async(fence, req("charge:B"), options, effect_b, offload=offloader)
-        )
-        async with asyncio.timeout(BOUND):
-            while not b_started.is_set():
-                await asyncio.sleep(0.005)
-        gate = threading.Event()
-        store.claim_entered.clear()
-        store.claim_gate = gate
-        a = asyncio.ensure_future(
-            run_async(fence, req("charge:A"), Options(), effect_a, offload=offloader)
-        )
-        async with asyncio.timeout(BOUND):
-            while not store.claim_entered.is_set():
-                await asyncio.sleep(0.005)
-        a.cancel()  # A's caller goes away while its claim runs in the worker
-        with contextlib.suppress(asyncio.CancelledError):
-            await a
-        gate.set()
-        async with asyncio.timeout(BOUND):
-            while store.calls.get("release", 0) < 4:  # A's release is in its last pause
-                await asyncio.sleep(0.005)
-        await asyncio.sleep(0.5)  # half of that 1 s pause: B renewed every 0.1 s meanwhile
-        with contextlib.suppress(IntentInFlight):  # another process's identical call
-            taken_over.append(fence.prepare(req("charge:B")).fresh)
-        b_may_end.set()
-        async with asyncio.timeout(BOUND):
-            assert (await b).fresh
-
-    asyncio.run(main())
-    offloader.close()
-    _join_workers("release-renewals")
-    _join_workers("effectfence-settle")
-    assert fence.intent_status("charge:A").state == "absent"
-    assert taken_over == []
 
 
 CHILD = textwrap.dedent(
@@ -1167,3 +1059,67 @@ def test_a_commit_riding_out_a_blip_outlives_the_process_ending(tmp_path: Path) 
         assert fence.intent_status("charge:1").state == "done"
     finally:
         fence.close()
+
+
+@pytest.mark.parametrize("step", ["commit", "release"])
+def test_a_settle_step_riding_out_a_blip_leaves_other_calls_renewals_alone(step: str) -> None:
+    """A's commit (its effect ran), or the release of A's admission (its caller went away
+    while it was claimed), meets four store blips. Their retry pauses were slept in the
+    shared worker: B's lease renewals queued behind them, B's lease lapsed mid-effect and
+    an identical call was admitted again, so B's effect could run twice (found by review,
+    for the commit, then for the release). Pauses are ridden out in a thread of their own."""
+    store = Flaky(**{"complete" if step == "commit" else "release": 4})  # 1.75 s of pauses
+    fence = EffectFence(FenceConfig(lease_ttl=1.0), store=store)
+    offloader = Offloader(1, name="renewals-alone")
+    b_started = threading.Event()
+    taken_over: list[bool] = []
+
+    async def main() -> None:
+        b_may_end = asyncio.Event()
+
+        async def effect_b(ticket: Any) -> str:
+            b_started.set()
+            await b_may_end.wait()
+            return "b"
+
+        async def effect_a(ticket: Any) -> str:
+            assert step == "commit", "A's effect must not run"
+            return "a"
+
+        options = Options(renew_every=0.1)
+        b = asyncio.ensure_future(
+            run_async(fence, req("charge:B"), options, effect_b, offload=offloader)
+        )
+        async with asyncio.timeout(BOUND):
+            while not b_started.is_set():
+                await asyncio.sleep(0.005)
+        gate = threading.Event()
+        store.claim_entered.clear()
+        store.claim_gate = gate
+        a = asyncio.ensure_future(
+            run_async(fence, req("charge:A"), Options(), effect_a, offload=offloader)
+        )
+        async with asyncio.timeout(BOUND):
+            while not store.claim_entered.is_set():
+                await asyncio.sleep(0.005)
+        if step == "release":
+            a.cancel()  # A's caller goes away while its claim runs in the worker
+        gate.set()
+        async with asyncio.timeout(BOUND):
+            while store.calls.get("complete" if step == "commit" else "release", 0) < 4:
+                await asyncio.sleep(0.005)  # until A's step is in its last (1 s) pause
+        await asyncio.sleep(0.5)  # half of that pause: B renewed every 0.1 s meanwhile
+        with contextlib.suppress(IntentInFlight):  # another process's identical call
+            taken_over.append(fence.prepare(req("charge:B")).fresh)
+        b_may_end.set()
+        async with asyncio.timeout(BOUND):
+            assert (await b).fresh
+            with contextlib.suppress(asyncio.CancelledError):
+                await a
+
+    asyncio.run(main())
+    offloader.close()
+    _join_workers("renewals-alone")
+    _join_workers("effectfence-settle")
+    assert fence.intent_status("charge:A").state == ("done" if step == "commit" else "absent")
+    assert taken_over == []
