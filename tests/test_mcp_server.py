@@ -1100,7 +1100,6 @@ def test_an_undelivered_tickets_release_is_queued_before_a_shutdown_can_cancel_i
     before its first step, and the intent stayed held by nobody until its lease lapsed
     (the driver's case, found by review; this one by reading the server after it)."""
     import asyncio
-    import threading
 
     from effectfence.mcp.server import _FenceTools
     from effectfence.mcp.telemetry import Decision
@@ -1124,15 +1123,7 @@ def test_an_undelivered_tickets_release_is_queued_before_a_shutdown_can_cancel_i
             if task is not asyncio.current_task():
                 task.cancel()
 
-    try:
-        asyncio.run(main())
-        tools.offloader.close()
-        for th in threading.enumerate():
-            if th.name.startswith("effectfence-mcp"):
-                th.join(20.0)
-        assert fence.intent_status("charge:1").state == "absent"
-    finally:
-        fence.close(timeout=0)
+    assert _run_then_settle(main, tools, fence, "charge:1") == "absent"
 
 
 def test_a_prepare_a_shutdown_cancels_in_its_worker_leaves_nothing_held(tmp_path: Path) -> None:
@@ -1187,12 +1178,21 @@ def test_a_prepare_a_shutdown_cancels_in_its_worker_leaves_nothing_held(tmp_path
                 while not claimed.is_set() or fence.intent_status("charge:1").state != "absent":
                     await asyncio.sleep(0.01)
 
+    assert _run_then_settle(main, tools, fence, "charge:1") == "absent"
+
+
+def _run_then_settle(main: Any, tools: Any, fence: EffectFence, intent: str) -> str:
+    """``asyncio.run(main())``, then the server's workers closed and waited for (what
+    they had queued has run): ``intent``'s state then; the fence closed after."""
+    import asyncio
+    import threading
+
     try:
         asyncio.run(main())
         tools.offloader.close()
         for th in threading.enumerate():
             if th.name.startswith("effectfence-mcp"):
                 th.join(20.0)
-        assert fence.intent_status("charge:1").state == "absent"
+        return fence.intent_status(intent).state
     finally:
         fence.close(timeout=0)

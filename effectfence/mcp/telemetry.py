@@ -162,7 +162,7 @@ class Metrics:
         self.calls: Counter[tuple[str, str]] = Counter()
         #: intent -> token of each ticket handed out here and not yet finished through here,
         #: oldest first. Ordered, not a dict: forgetting a dict's first key scans past every
-        #: one deleted before it, ~50 us a fresh prepare once full (measured)
+        #: one deleted before it, ~24 us an observed fresh prepare once full (measured)
         self._held: OrderedDict[str, int | None] = OrderedDict()
         self._bounds = LATENCY_BUCKETS
         self._hist: dict[str, list[int]] = {}
