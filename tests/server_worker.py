@@ -89,7 +89,25 @@ def commit_one(a: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-MODES = {"storm": storm, "commit_one": commit_one}
+def silenced(a: dict[str, Any]) -> dict[str, Any]:
+    """One prepare to warm the pool, ``ready``; after the parent's "go" (it has silenced
+    the network meanwhile), one more prepare, timed: how it ended and when."""
+    import time
+
+    fence = EffectFence(FenceConfig(lease_ttl=60.0), store=open_store(a["url"]))
+    fence.prepare(req("warm", "w"))
+    print("ready", flush=True)
+    sys.stdin.readline()
+    started = time.monotonic()
+    try:
+        fence.prepare(req("silenced", "s"))
+        outcome = "answered"
+    except StoreUnavailable:
+        outcome = "store_unavailable"
+    return {"outcome": outcome, "seconds": time.monotonic() - started}
+
+
+MODES = {"storm": storm, "commit_one": commit_one, "silenced": silenced}
 
 if __name__ == "__main__":
     result = MODES[sys.argv[1]](json.loads(sys.argv[2]))

@@ -415,6 +415,131 @@ def test_pg_a_listener_that_cannot_connect_never_holds_a_waiter(pg: Any) -> None
         hole.close()  # ends the connect, whoever makes it
 
 
+@pytest.mark.parametrize("lease", [None, 1.0])
+def test_pg_a_waiter_never_waits_on_a_held_row_past_its_time(pg: Any, lease: float | None) -> None:
+    """A waiter reads the record ``FOR SHARE``, so it waits for a step holding the row.
+    Version 10 waited for ever (found by review: 6 s on a 2 s lease): the store's wait
+    must end at its timeout, and the fence's at the lease."""
+    holder = EffectFence(FenceConfig(lease_ttl=lease or 60.0), store=pg)
+    ticket = holder.prepare(req()).ticket
+    seen = pg.get(ticket.intent)
+    done: list[bool] = []
+    if lease is None:
+        wait = lambda: done.append(pg.wait_for_change(ticket.intent, seen, 0.5))  # noqa: E731
+    else:
+        waiter = EffectFence(FenceConfig(lease_ttl=lease), store=pg)
+        wait = lambda: done.append(waiter.wait(ticket.intent, 60.0))  # noqa: E731
+    with _pg_admin() as admin, admin.transaction():
+        admin.execute(
+            f'SELECT 1 FROM "{pg.schema}".intents WHERE intent = %s FOR UPDATE', (ticket.intent,)
+        )
+        t = threading.Thread(target=wait, daemon=True)
+        t.start()
+        t.join(timeout=15.0)
+        stuck = t.is_alive()
+    t.join(timeout=15.0)  # the lock is gone: a stuck waiter ends now
+    assert not stuck, "the waiter outlived its time behind a held row"
+    # the store's wait saw no change; the fence's found the lease lapsed
+    assert done == ([False] if lease is None else [True])
+
+
+@contextlib.contextmanager
+def _network_namespace() -> Iterator[tuple[str, str, Callable[[], None]]]:
+    """A network namespace joined to this one by a veth pair, and a relay on our end to
+    the local PostgreSQL: yields (namespace, relay address, silence), where ``silence()``
+    drops every packet from then on, with no reset: a network gone silent, which no
+    loopback proxy can imitate (its kernel acknowledges)."""
+    import shutil
+    import socket
+
+    if shutil.which("ip") is None or os.geteuid() != 0:
+        pytest.skip("needs root and iproute2 (ip) to make a network namespace")
+    n = os.getpid() % 100000
+    ns, ours, theirs = f"effn{n}", f"efa{n}", f"efb{n}"
+    net = f"10.213.{n % 250}"
+
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+    import psycopg.conninfo
+
+    target = psycopg.conninfo.conninfo_to_dict(PG_DSN)
+    dest = (str(target.get("host", "127.0.0.1")), int(target.get("port", 5432)))
+    subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)  # a leftover
+    ip("netns", "add", ns)
+    relay: socket.socket | None = None
+    try:
+        ip("link", "add", ours, "type", "veth", "peer", "name", theirs)
+        ip("link", "set", theirs, "netns", ns)
+        ip("addr", "add", f"{net}.1/30", "dev", ours)
+        ip("link", "set", ours, "up")
+        ip("netns", "exec", ns, "ip", "addr", "add", f"{net}.2/30", "dev", theirs)
+        ip("netns", "exec", ns, "ip", "link", "set", theirs, "up")
+        relay = socket.create_server((f"{net}.1", 0))
+        address = f"{net}.1:{relay.getsockname()[1]}"
+
+        def pump(src: socket.socket, dst: socket.socket) -> None:
+            with contextlib.suppress(OSError):
+                while data := src.recv(65536):
+                    dst.sendall(data)
+            for sock in (src, dst):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+        def accept(listener: socket.socket) -> None:
+            with contextlib.suppress(OSError):
+                while True:
+                    near, _ = listener.accept()
+                    far = socket.create_connection(dest)
+                    for a, b in ((near, far), (far, near)):
+                        threading.Thread(target=pump, args=(a, b), daemon=True).start()
+
+        threading.Thread(target=accept, args=(relay,), daemon=True).start()
+        # our end down: the veth drops what the namespace sends, and says nothing (netem
+        # would do it more plainly, but this kernel has no sch_netem)
+        yield ns, address, lambda: ip("link", "set", ours, "down")
+    finally:
+        if relay is not None:
+            relay.close()
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        subprocess.run(["ip", "link", "del", ours], capture_output=True, timeout=30)
+
+
+def test_pg_a_step_on_a_network_gone_silent_ends_within_the_timeout() -> None:
+    """A step whose packets vanish (no reset, no reply) blocked until the kernel gave up,
+    some fifteen minutes (found by review: libpq waits for ever by default). With the
+    store's link options it ends within about its ``timeout``: unavailable, nothing run."""
+    need("pg")
+    schema = unique_name("pgsilent")
+    try:
+        with _network_namespace() as (ns, address, silence):
+            url = PG_DSN.replace(PG_DSN.split("@", 1)[1].split("/", 1)[0], address, 1)
+            child = subprocess.Popen(
+                ["ip", "netns", "exec", ns, sys.executable, WORKER, "silenced",
+                 json.dumps({"url": with_query(url, schema=schema, timeout="2", pool_max="1")})],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                text=True, cwd=str(Path(__file__).parent),
+            )  # fmt: skip
+            try:
+                assert child.stdout is not None and child.stdin is not None
+                ready = child.stdout.readline()
+                assert ready.strip() == "ready", (ready, child.stderr and child.stderr.read())
+                silence()
+                child.stdin.write("go\n")
+                child.stdin.flush()
+                out, err = child.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                pytest.fail("a step on the silent network was still blocked after 60 s")
+            finally:
+                child.kill()
+                child.wait()
+            got = json.loads(out.strip().splitlines()[-1])
+            assert got["outcome"] == "store_unavailable", (got, err)
+            assert got["seconds"] < 20, got  # tcp_user_timeout 2 s, a reconnect's 2 s
+    finally:
+        drop_pg_schema(schema)
+
+
 def test_pg_idle_connections_cut_before_a_step_cost_a_reconnect(pg: Any) -> None:
     fence = EffectFence(store=pg)
     fence.prepare(req("warm"))  # the pool holds a connection

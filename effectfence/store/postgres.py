@@ -27,7 +27,8 @@ Design
   clock drives leases without sleeping), never for production.
 - Sweeps cost O(expired): a partial index on ``reclaim_at`` holds only finite deadlines.
 - ``wait_for_change``: waiters ``LISTEN`` on one dedicated connection per store object and
-  register the intent in ``watch``, in the statement that reads it (``watch_``); a
+  register the intent in ``watch``, in the statement that reads it (``watch_``, which
+  waits for a held row no longer than the waiter's own time left); a
   transition of a registered intent ``NOTIFY``s the schema's channel with its md5 and spends
   the registration (``changed_``). A NOTIFY takes a database-wide lock at commit, so steps
   nobody waits for, nearly all of them, send none.
@@ -121,7 +122,10 @@ __all__ = ["DEFAULT_SCHEMA", "SCHEMA_VERSION", "PostgresStore", "StoreSchemaErro
 #: 10: a ``claim`` of an empty slot sets its lease once its locks are held (one judged
 #: before its waits was handed out already over); ``clear_if`` draws audit ids one clear
 #: at a time, so their order is commit order (found by review)
-SCHEMA_VERSION = 10
+#: 11: ``watch_(intent, wait_ms)`` waits for a held row only for the waiter's time left
+#: (version 10's waited for ever, past the waiter's lease: found by review); version-10
+#: code keeps its one-argument ``watch_``
+SCHEMA_VERSION = 11
 DEFAULT_SCHEMA = "effectfence"
 DEFAULT_POOL_MAX = 8
 #: seconds to wait for a pooled connection (or a new one) before reporting unavailable
@@ -144,6 +148,8 @@ _REFUSED_SQLSTATES = frozenset({"25006", "55P03", "55006"})
 _REFUSED_CLASSES = ("53", "57", "58")
 _TUPLES_OK = pq.ExecStatus.TUPLES_OK
 _MAX_RETRIES = 5
+#: lock_timeout is an int of milliseconds (about 24 days)
+_MAX_LOCK_WAIT_MS = 2**31 - 1
 #: a listener whose connect failed is started again at most this often (waiters poll)
 _RELISTEN = 1.0
 
@@ -284,17 +290,30 @@ END $$;
 
 -- a waiter registers, and reads the record, in one statement. FOR SHARE waits for a step
 -- holding the row (FOR UPDATE) to commit, and then reads what it wrote; a step that comes
--- later sees the registration. Either way no transition is missed.
-CREATE OR REPLACE FUNCTION {s}.watch_(p_intent text) RETURNS SETOF {s}.intents
+-- later sees the registration. Either way no transition is missed. It waits at most
+-- p_wait_ms: the waiter's own time left, which the fence bounds by the lease; one that
+-- runs out reads the row as committed, unregistered (its time is up: it reads again and
+-- answers). Version 10's waited as long as the row was held: a waiter outlived its lease.
+CREATE OR REPLACE FUNCTION {s}.watch_(p_intent text, p_wait_ms integer)
+RETURNS SETOF {s}.intents
 LANGUAGE plpgsql AS $$
 DECLARE cur {s}.intents%ROWTYPE;
 BEGIN
-    SELECT * INTO cur FROM {s}.intents WHERE intent = p_intent FOR SHARE;
-    IF FOUND THEN
-        INSERT INTO {s}.watch (intent) VALUES (p_intent) ON CONFLICT DO NOTHING;
-        RETURN NEXT cur;
-    END IF;
+    PERFORM set_config('lock_timeout', greatest(p_wait_ms, 1)::text, true);
+    BEGIN
+        SELECT * INTO cur FROM {s}.intents WHERE intent = p_intent FOR SHARE;
+        IF FOUND THEN
+            INSERT INTO {s}.watch (intent) VALUES (p_intent) ON CONFLICT DO NOTHING;
+            RETURN NEXT cur;
+        END IF;
+    EXCEPTION WHEN lock_not_available THEN
+        RETURN QUERY SELECT * FROM {s}.intents WHERE intent = p_intent;
+    END;
 END $$;
+
+-- version 10's, for its code still running after an upgrade: it waits as it did
+CREATE OR REPLACE FUNCTION {s}.watch_(p_intent text) RETURNS SETOF {s}.intents
+LANGUAGE sql AS $$ SELECT * FROM {s}.watch_(p_intent, 2147483647) $$;
 
 CREATE OR REPLACE FUNCTION {s}.claim(
     p_intent text, p_expect boolean, p_token bigint, p_state text, p_lease_until float8,
@@ -800,10 +819,12 @@ class PostgresStore(FenceStore):
         if pool is None:
             assert conninfo is not None
             self._conninfo = conninfo
+            self._link = _link_options(conninfo, self.timeout)
             pool = self._open_pool()
         else:
             info = pool.conninfo
             self._conninfo = info if isinstance(info, str) else info()
+            self._link = _link_options(self._conninfo, self.timeout)  # for the listener
         self._pool: psycopg_pool.ConnectionPool[Any] = pool
         self._s = sql.Identifier(schema)
         self._prepare_sql()
@@ -814,9 +835,6 @@ class PostgresStore(FenceStore):
         self._relisten_at = 0.0
         # libpq waits for ever by default: the listener's connect is bounded unless the
         # operator's URL says otherwise
-        self._listen_timeout: dict[str, Any] = (
-            {} if "connect_timeout" in conninfo_to_dict(self._conninfo) else {"connect_timeout": 10}
-        )
         try:
             self.store_id = self._init_schema()
         except BaseException:
@@ -857,7 +875,7 @@ class PostgresStore(FenceStore):
                 self._conninfo,
                 min_size=pool_min,
                 max_size=pool_max,
-                kwargs={"autocommit": True},
+                kwargs={"autocommit": True, **self._link},
                 configure=self._configure,
                 timeout=self.timeout,
                 name=f"effectfence-{self.schema}",
@@ -1042,7 +1060,7 @@ class PostgresStore(FenceStore):
         s = self._s
         q = sql.SQL
         self._q_get = q("SELECT " + _F + " FROM {}.intents WHERE intent = %s").format(s)
-        self._q_watch = q("SELECT " + _F + " FROM {}.watch_(%s)").format(s)
+        self._q_watch = q("SELECT " + _F + " FROM {}.watch_(%s, %s)").format(s)
         self._q_read = q(
             "SELECT {}.now_(%s::float8), " + ", ".join(f"i.{c}" for c in RECORD_FIELDS) + " "
             "FROM (SELECT 1) AS one LEFT JOIN {}.intents i ON i.intent = %s"
@@ -1740,7 +1758,7 @@ class PostgresStore(FenceStore):
 
     def _listen(self) -> None:
         try:
-            conn = psycopg.connect(self._conninfo, autocommit=True, **self._listen_timeout)
+            conn = psycopg.connect(self._conninfo, autocommit=True, **self._link)
         except psycopg.Error:
             return  # waiters poll; the next one after _RELISTEN tries again
         try:
@@ -1765,13 +1783,20 @@ class PostgresStore(FenceStore):
         key = hashlib.md5(intent.encode(), usedforsecurity=False).hexdigest()
         if self._fork != _fork.generation():
             self._forked("wait")  # first: the wait below is on the child's own waiters
-        return self._waiters.wait(key, seen, timeout, lambda: self._watch(intent), self._listening)
+        deadline = time.monotonic() + timeout
+        return self._waiters.wait(
+            key, seen, timeout, lambda: self._watch(intent, deadline), self._listening
+        )
 
-    def _watch(self, intent: str) -> IntentRecord | None:
+    def _watch(self, intent: str, deadline: float | None = None) -> IntentRecord | None:
         """:meth:`get`, registering this process as a waiter for the intent's next
-        transition (only a registered intent's transitions send a NOTIFY)."""
+        transition (only a registered intent's transitions send a NOTIFY). A row held by a
+        step is waited for until ``deadline`` (monotonic; default: ``timeout`` from now),
+        then read as committed."""
+        left = self.timeout if deadline is None else deadline - time.monotonic()
+        wait_ms = max(1, math.ceil(min(left * 1000, _MAX_LOCK_WAIT_MS)))
         try:
-            rows = self._run("watch", self._q_watch, (intent,))
+            rows = self._run("watch", self._q_watch, (intent, wait_ms))
         except _Lost as exc:
             raise self._unavailable("watch", exc) from exc
         return self._decode(intent, rows[0][1:]) if rows else None
@@ -1794,6 +1819,29 @@ class PostgresStore(FenceStore):
         listener = getattr(self, "_listener", None)
         if listener is not None:
             listener.join(timeout=2.0)
+
+
+def _link_options(conninfo: str, timeout: float) -> dict[str, Any]:
+    """libpq options bounding how long a connection can hang, where the URL sets none.
+
+    libpq waits for ever by default: a connect to a server that accepts and never answers,
+    and a step on a network gone silent (no reset, no reply), blocked its thread until the
+    kernel gave up, some fifteen minutes (found by review). ``tcp_user_timeout`` ends a
+    connection whose sent bytes stay unacknowledged for ``timeout``; keepalives end one
+    waiting for a reply from a peer that stopped answering. A live server, however slow its
+    statement, acknowledges both. (Unix sockets ignore them; a caller's pool keeps its own.)
+    A step so cut may have applied: the store answers as for any connection lost mid-step."""
+    given = conninfo_to_dict(conninfo)
+    whole = max(1, math.ceil(timeout))
+    wanted: dict[str, Any] = {
+        "connect_timeout": max(2, whole),  # libpq's least
+        "keepalives": 1,
+        "keepalives_idle": max(1, whole // 2),
+        "keepalives_interval": max(1, whole // 6),
+        "keepalives_count": 3,
+        "tcp_user_timeout": whole * 1000,
+    }
+    return {k: v for k, v in wanted.items() if k not in given}
 
 
 def _hung_up(conn: psycopg.Connection[Any]) -> bool:
