@@ -2012,6 +2012,47 @@ def test_redis_refuses_to_open_for_a_user_who_may_not_publish(
         admin.close()
 
 
+def test_redis_refuses_to_open_for_a_user_refused_a_command_or_a_key(
+    private_redis: Callable[..., str],
+) -> None:
+    """A user without EVAL, or without the store's keys, got redis-py's raw
+    NoPermissionError at open. It is refused typed, not retryable, writing nothing, and
+    the ``recover`` it gives is enough: a user made with exactly that line runs every
+    step (found while checking last session's notes)."""
+    from effectfence.store.redis import RedisStore
+
+    url = private_redis()
+    admin = _admin(url)
+    admin.execute_command("ACL", "SETUSER", "noeval", "on", ">pw", "~*", "&*", "+@all", "-eval")
+    admin.execute_command("ACL", "SETUSER", "nokey", "on", ">pw", "~other:*", "&*", "+@all")
+    try:
+        recovers = set()
+        for user in ("noeval", "nokey"):
+            with pytest.raises(StoreUnavailable) as refused:
+                RedisStore.from_url(url.replace("redis://", f"redis://{user}:pw@") + "?prefix=rv_u")
+            exc = refused.value
+            assert exc.retryable is False and exc.details["setting"] == "acl", exc
+            assert "no permissions" in exc.message
+            recovers.add(exc.recover)
+            assert admin.dbsize() == 0
+        (recover,) = recovers
+        grant = recover.split("ACL SETUSER <user> ", 1)[1].split()
+        admin.execute_command("ACL", "SETUSER", "least", "on", ">pw", "resetchannels", *grant)
+        store = RedisStore.from_url(url.replace("redis://", "redis://least:pw@") + "?prefix=rv_u")
+        try:
+            fence = EffectFence(store=store)
+            ticket = fence.prepare(req()).ticket
+            cert = fence.commit(ticket, "r")
+            assert fence.prepare(req(agent="b")).cert.hash == cert.hash
+            fence.abort(fence.prepare(req("charge:2")).ticket, "declined")
+            assert store.clear("charge:2") is not None and fence.sweep() >= 0
+            assert store.durability()["appendfsync"] is not None  # CONFIG GET was allowed
+        finally:
+            store.close()
+    finally:
+        admin.close()
+
+
 def test_redis_a_step_that_may_not_publish_applies_nothing(
     private_redis: Callable[..., str],
 ) -> None:

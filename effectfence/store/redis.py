@@ -769,6 +769,19 @@ class RedisStore(FenceStore):
         except StoreUnavailable:  # a ConnectionError, so an OSError: before _LOST
             self.close()
             raise
+        except redis.exceptions.NoPermissionError as exc:  # a ResponseError: before it
+            # a user without EVAL, or without the store's keys, got redis-py's raw error
+            self.close()
+            raise StoreUnavailable(
+                f"refusing to open the Redis store at {mask_url(self._url)}: its user is "
+                f"refused what the store needs ({exc})",
+                operation="open",
+                retryable=False,
+                recover=f"grant the store's user its keys, channel and commands: ACL SETUSER "
+                f"<user> ~{self._p}:* &{self._p}:changes +@scripting +@read +@write "
+                "+@pubsub +info +role +time +config|get",
+                setting="acl",
+            ) from exc
         except (*_LOST, redis.exceptions.ResponseError) as exc:
             self.close()
             said = _refused(exc)
