@@ -366,6 +366,51 @@ def test_info_creates_a_store_only_when_asked(
     assert info_main(["--store", "memory:"]) == 0  # always there: nothing to create
 
 
+@pytest.mark.parametrize("command", ["intents", "info"])
+def test_looking_at_an_older_postgres_schema_does_not_upgrade_it(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Looking (create=False) upgraded an older schema; an effectfence of that older
+    version then refused to open it, so the fleet's next restarts failed because an
+    operator looked with a newer CLI (found in last session's notes). Refused, named;
+    ``info --create`` upgrades on purpose."""
+    import psycopg
+    from support import PG_DSN, drop_pg_schema, need, unique_name
+
+    from effectfence.store.postgres import SCHEMA_VERSION
+
+    need("pg")
+    name = unique_name("pgold")
+    url = f"{PG_DSN}?schema={name}"
+    EffectFence.from_url(url).close()
+    older = str(SCHEMA_VERSION - 1)
+
+    def version() -> str:
+        with psycopg.connect(PG_DSN) as conn:
+            row = conn.execute(
+                f"SELECT value FROM \"{name}\".meta WHERE key = 'schema_version'"
+            ).fetchone()
+            assert row is not None
+            return str(row[0])
+
+    try:
+        with psycopg.connect(PG_DSN, autocommit=True) as conn:
+            conn.execute(
+                f"UPDATE \"{name}\".meta SET value = %s WHERE key = 'schema_version'", (older,)
+            )
+        main = {"intents": intents.main, "info": info_main}[command]
+        argv = {"intents": ["list"], "info": []}[command]
+        assert main([*argv, "--store", url]) == 1
+        err = capsys.readouterr().err
+        assert f"version {older}" in err and "would upgrade it" in err and "--create" in err, err
+        assert version() == older, "looking upgraded the schema"
+        assert info_main(["--store", url, "--create"]) == 0
+        assert version() == str(SCHEMA_VERSION)
+        assert main([*argv, "--store", url]) == 0
+    finally:
+        drop_pg_schema(name)
+
+
 def test_looking_at_an_empty_file_leaves_it_empty(tmp_path: Path) -> None:
     empty = tmp_path / "empty.db"
     empty.touch()

@@ -673,7 +673,8 @@ END $$;
 
 
 class StoreSchemaError(RuntimeError):
-    """The schema was written by a newer effectfence, or is not a fence store."""
+    """The schema was written by a newer effectfence, is not a fence store, or (opened
+    with ``create=False``) is older than this effectfence writes."""
 
     def __init__(self, message: str, *, schema: str, found: Any, supported: int) -> None:
         super().__init__(message)
@@ -770,8 +771,8 @@ class PostgresStore(FenceStore):
     ``schema``: where the tables live (created on first use). ``cert_retention``: seconds a
     certificate stays in the audit trail after its result expires (None: forever).
     ``clock``: for tests only, replaces the server's ``clock_timestamp()`` in every step.
-    ``create=False``: open only a schema a store wrote (:class:`StoreMissing` otherwise), for
-    looking without writing.
+    ``create=False``: open only a schema a store wrote (:class:`StoreMissing` otherwise), of
+    this code's version (an older one is refused, not upgraded), for looking without writing.
     """
 
     name = "postgresql"
@@ -1138,6 +1139,21 @@ class PostgresStore(FenceStore):
                                 f"schema {self.schema!r} has effectfence schema version "
                                 f"{found!r}; this effectfence reads version {SCHEMA_VERSION}: "
                                 "upgrade effectfence (or use another ?schema=)",
+                                schema=self.schema,
+                                found=found,
+                                supported=SCHEMA_VERSION,
+                            )
+                        if int(found) < SCHEMA_VERSION and not self._create:
+                            # looking upgraded it (found by review): then every process of
+                            # the older effectfence still using it refused to start again
+                            raise StoreSchemaError(
+                                f"schema {self.schema!r} has effectfence schema version "
+                                f"{found}; this effectfence would upgrade it to "
+                                f"{SCHEMA_VERSION}, and an effectfence that reads only "
+                                f"version {found} would then refuse to open it. Looking "
+                                "changes nothing: use the effectfence its processes run, or "
+                                "upgrade it on purpose (open it with create=True: "
+                                "effectfence info --store URL --create)",
                                 schema=self.schema,
                                 found=found,
                                 supported=SCHEMA_VERSION,
