@@ -1841,8 +1841,13 @@ def test_redis_reads_eviction_settings_from_info_and_fails_closed_when_unreadabl
     url = private_redis("--maxmemory", "100mb", "--maxmemory-policy", "volatile-ttl")
     admin = _admin(url)
     admin.execute_command("ACL", "SETUSER", "noconfig", "on", ">pw", "~*", "&*", "+@all", "-config")
+    # INFO replication stays: every writing step runs it (the role check, may_write)
     admin.execute_command(
-        "ACL", "SETUSER", "blind", "on", ">pw", "~*", "&*", "+@all", "-config", "-info"
+        "ACL", "SETUSER", "blind", "on", ">pw", "~*", "&*", "+@all", "-config", "-info",
+        "+info|replication",
+    )  # fmt: skip
+    admin.execute_command(
+        "ACL", "SETUSER", "noinfo", "on", ">pw", "~*", "&*", "+@all", "-config", "-info"
     )
     noconfig = url.replace("redis://", "redis://noconfig:pw@")
     blind = url.replace("redis://", "redis://blind:pw@")
@@ -1860,8 +1865,16 @@ def test_redis_reads_eviction_settings_from_info_and_fails_closed_when_unreadabl
     d = store.durability()
     assert d["eviction"] == "unknown" and d["maxmemory"] is None
     assert d["verdict"].startswith("EVICTION UNKNOWN") and "warning" in store.describe()
-    assert d["role"] == "master"  # INFO refused: read by ROLE
+    assert d["role"] == "master"
     store.close()
+    with pytest.raises(StoreUnavailable) as refused:  # no step could run: none is offered
+        RedisStore.from_url(
+            url.replace("redis://", "redis://noinfo:pw@") + "?prefix=rv_noinfo",
+            allow_eviction=True,
+        )
+    assert refused.value.details["server_reply"].startswith("NOINFO ")
+    assert refused.value.retryable is False and "+info|replication" in refused.value.recover
+    assert admin.keys("*rv_noinfo*") == []
     admin.close()
 
 
@@ -2093,6 +2106,20 @@ def _read_only(admin: Any) -> Callable[[], None]:
     return lambda: admin.execute_command("REPLICAOF", "NO", "ONE")
 
 
+def _writable_replica(admin: Any) -> Callable[[], None]:
+    """The same, where replicas accept writes (replica-read-only no): what it takes is lost
+    at its next resync. The store re-read the role only before claims, every
+    eviction_recheck (30 s): a commit sent in that window applied there (found by review)."""
+    admin.config_set("replica-read-only", "no")
+    undo = _read_only(admin)
+
+    def both() -> None:
+        undo()
+        admin.config_set("replica-read-only", "yes")
+
+    return both
+
+
 def _out_of_memory(admin: Any) -> Callable[[], None]:
     admin.config_set("maxmemory", 1)  # noeviction: writes are refused OOM
     return lambda: admin.config_set("maxmemory", 0)
@@ -2106,13 +2133,16 @@ def _no_replicas(admin: Any) -> Callable[[], None]:
 @pytest.mark.parametrize(
     "refuse, code, commits",
     [
-        (_read_only, "READONLY", False),
+        # every writing script checks the role first (NOTMASTER): before, a read-only
+        # replica refused at the first write (READONLY), and a writable one took it all
+        (_read_only, "NOTMASTER", False),
+        (_writable_replica, "NOTMASTER", False),
         # OOM refuses only a script whose first write may grow memory: a claim's; a commit
         # begins with an SREM, so Redis lets it run (and then it is whole)
         (_out_of_memory, "OOM", True),
         (_no_replicas, "NOREPLICAS", False),
     ],
-    ids=["readonly", "oom", "noreplicas"],
+    ids=["readonly", "writable-replica", "oom", "noreplicas"],
 )
 def test_redis_server_refusals_are_store_unavailable_and_apply_nothing(
     private_redis: Callable[..., str],
@@ -2147,7 +2177,7 @@ def test_redis_server_refusals_are_store_unavailable_and_apply_nothing(
             assert exc.details["server_reply"].startswith(code + " ")
             assert exc.details["server_reply"] in exc.message and exc.retryable
         assert store.get("charge:2") is None
-        if code == "READONLY":  # and a store opened on the demoted server: typed, not raw
+        if code == "NOTMASTER":  # and a store opened on the demoted server: typed, not raw
             with pytest.raises(StoreUnavailable, match="replica"):
                 RedisStore.from_url(with_query(url, prefix="other"))
     finally:

@@ -45,7 +45,7 @@ connect and refuses to open where eviction is possible (or cannot be ruled out) 
 
 Errors: no connection, or a server that refused a command before running it (READONLY
 after a failover, OOM, LOADING, BUSY, MISCONF, NOREPLICAS, CLUSTERDOWN, TRYAGAIN,
-MASTERDOWN, and the scripts' own NOPUBLISH: nothing applied), raises
+MASTERDOWN, and the scripts' own NOTMASTER, NOINFO and NOPUBLISH: nothing applied), raises
 :class:`~effectfence.errors.StoreUnavailable` with the server's reply; any other error reply
 (a script error: a bug) is raised as redis-py's. A connection lost while a script ran may
 have lost only the reply: ticket steps re-read and answer from what the store holds, a claim
@@ -140,7 +140,7 @@ _REFUSED_CLASSES: tuple[tuple[type[Exception], str], ...] = (
 )
 _REFUSED_CODES = frozenset(
     ("LOADING", "READONLY", "OOM", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "MISCONF",
-     "NOREPLICAS", "BUSY", "NOPUBLISH")
+     "NOREPLICAS", "BUSY", "NOPUBLISH", "NOTMASTER", "NOINFO")
 )  # fmt: skip
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
@@ -200,11 +200,26 @@ local function compare(first)
     return nil
 end
 local function changed(intent) redis.call('PUBLISH', P .. ':changes', intent) end
--- a step that announces its change checks first that it may: Redis 7 gives a new ACL user
--- no channels (acl-pubsub-default resetchannels), a PUBLISH refused after the writes left
--- them applied (Lua does not roll back) and the caller an untyped error (found by review).
--- Raised before any write, so nothing applied (NOPUBLISH is in _REFUSED_CODES)
-local function heard()
+-- every writing step checks first, before any write (Lua does not roll back), that its
+-- writes can hold, else refuses with a code in _REFUSED_CODES: nothing applied.
+-- NOTMASTER: a replica that accepts writes (replica-read-only no) drops them at its next
+-- resync, unseen by the master, where a fence admits the same intent again. A failover
+-- can demote the server under a running store; the store's periodic re-read of the role
+-- caught only claims, after up to eviction_recheck seconds, and a commit or release sent
+-- in that window applied there (found by review).
+-- NOPUBLISH: Redis 7 gives a new ACL user no channels (acl-pubsub-default resetchannels),
+-- and a PUBLISH refused after the writes left them applied and the caller an untyped
+-- error (found by review).
+local function may_write()
+    if redis.acl_check_cmd and not redis.acl_check_cmd('INFO', 'replication') then
+        error({err = 'NOINFO this user may not run INFO replication, which every step runs '
+            .. 'to check that the server is a master (grant it: ACL SETUSER <user> '
+            .. '+info|replication).'})
+    end
+    if not string.find(redis.call('INFO', 'replication'), '\\nrole:master\\r', 1, true) then
+        error({err = 'NOTMASTER this server is not a master (a failover demoted it?): what '
+            .. 'it accepted would be lost at its next resync. Point the store at the master.'})
+    end
     if redis.acl_check_cmd and not redis.acl_check_cmd('PUBLISH', P .. ':changes') then
         error({err = 'NOPUBLISH this user may not PUBLISH to the channel ' .. P .. ':changes, '
             .. 'where every step announces its change (grant it: ACL SETUSER <user> &' .. P
@@ -251,7 +266,7 @@ _CLAIM = """
 -- ARGV[13] reclaim_after  ARGV[14] reserve_at or ''  ARGV[15..] compared domain, seq, ...
 -- -> {outcome, found record or nil, token, seq, now, head, clock, stale triple}; now in every
 -- answer: the store is put-first, and the decider judges what a claim found at that time
-heard()
+may_write()
 local cur = get(KEYS[1])
 -- condition 1, slot: the record is the version the decider observed (base.same_record)
 if (cur ~= nil) ~= (ARGV[4] == '1') or (cur and not (tonumber(cur[2]) == tonumber(ARGV[5])
@@ -302,7 +317,7 @@ _COMPLETE = """
 -- ARGV[12] stale_reclaim_after  ARGV[13] certificates kept per domain, '' for all
 -- ARGV[14] the ticket's fingerprint  ARGV[15..] compared domain, seq, ...
 -- -> {outcome, found record or nil, now, stale triple}
-heard()
+may_write()
 local cur = get(KEYS[1])
 -- compare-by-token: in flight under this token, with the ticket's payload
 if not cur or cur[1] ~= 'in_flight' or tonumber(cur[2]) ~= tonumber(ARGV[4])
@@ -378,7 +393,7 @@ _FINISH = """
 -- ARGV[5] 'fail' | 'release' | 'renew'  ARGV[6] reason  ARGV[7] lease_ttl
 -- ARGV[8] reclaim_after
 -- -> {outcome, found record or nil, now}
-heard()
+may_write()
 local cur = get(KEYS[1])
 if not cur or cur[1] ~= 'in_flight' or tonumber(cur[2]) ~= tonumber(ARGV[4]) then
     return {'moved', cur or false}
@@ -404,7 +419,7 @@ return {'applied', cur, fmt(t)}
 
 _CLEAR = """
 -- KEYS[1] record  ARGV[1] prefix  ARGV[2] ''  ARGV[3] intent  -> the record removed, or nil
-heard()
+may_write()
 local cur = get(KEYS[1])
 if not cur then return false end
 redis.call('DEL', KEYS[1])
@@ -418,7 +433,7 @@ _CLEAR_IF = """
 -- ARGV[1] prefix  ARGV[2] test clock or ''  ARGV[3] intent
 -- ARGV[4..7] the judged record's token, state, lease_until, until  ARGV[8] entry JSON
 -- -> {'moved', found record or false} | {'applied', found record, id, now}
-heard()
+may_write()
 local cur = get(KEYS[1])
 -- the condition: still the version the decider judged (base.same_record)
 if not cur or not (tonumber(cur[2]) == tonumber(ARGV[4]) and cur[1] == ARGV[5]
@@ -457,7 +472,7 @@ _SWEEP = """
 -- KEYS[1] reclaim index
 -- ARGV[1] prefix  ARGV[2] test clock or ''  ARGV[3] batch
 -- -> {records deleted, index entries visited}
-heard()
+may_write()
 local t = now()
 local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', fmt(t), 'LIMIT', 0, tonumber(ARGV[3]))
 local n = 0
@@ -764,7 +779,7 @@ class RedisStore(FenceStore):
             self._durability.update(self._read_eviction())
             self._refuse_eviction()
             self._refuse_replica()
-            self._refuse_unheard()
+            self._refuse_unwritable()
             self.store_id = self._init()
         except StoreUnavailable:  # a ConnectionError, so an OSError: before _LOST
             self.close()
@@ -951,22 +966,31 @@ class RedisStore(FenceStore):
             role=self._durability["role"],
         )
 
-    def _refuse_unheard(self) -> None:
-        """Fail closed where this user may not PUBLISH on the changes channel: every step
-        would be refused (the scripts check it first, see heard() in _PRELUDE), so the store
-        does not open; the right can still be revoked later, and then steps are refused."""
+    def _refuse_unwritable(self) -> None:
+        """Fail closed where this user may not run what every writing step checks first
+        (may_write() in _PRELUDE): INFO replication, or PUBLISH on the changes channel.
+        Every step would be refused, so the store does not open; a right revoked later
+        makes steps refuse, applying nothing."""
         try:
-            self._r.eval(_PRELUDE + "heard() return 1", 0, self._p, "")
+            self._r.eval(_PRELUDE + "may_write() return 1", 0, self._p, "")
         except redis.exceptions.ResponseError as exc:
-            if not str(exc).startswith("NOPUBLISH "):
+            said = str(exc)
+            if said.startswith("NOPUBLISH "):
+                grant, setting = (
+                    f"the channel: ACL SETUSER <user> &{self._p}:changes",
+                    "acl channels",
+                )
+            elif said.startswith("NOINFO "):
+                grant, setting = "INFO replication: ACL SETUSER <user> +info|replication", "acl"
+            else:
                 raise
             raise StoreUnavailable(
                 f"refusing to open the Redis store at {mask_url(self._url)}: {exc}",
                 operation="open",
                 retryable=False,
-                recover=f"grant the user the channel: ACL SETUSER <user> &{self._p}:changes",
-                setting="acl channels",
-                server_reply=str(exc),
+                recover=f"grant the user {grant}",
+                setting=setting,
+                server_reply=said,
             ) from exc
 
     def _read_eviction(self) -> dict[str, Any]:
