@@ -923,5 +923,9 @@ def _deliver(
         else:
             future.set_exception(exc)
 
-    with contextlib.suppress(RuntimeError):  # the loop closed while the job ran: nobody
-        loop.call_soon_threadsafe(settle)  # is left to tell
+    try:
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # the loop closed while the job ran: nobody is left to tell, and
+        # nothing will settle the future: let it go (kept, it held the closed loop for good,
+        # one per such shutdown: found by review)
+        _SETTLING.discard(future)

@@ -1123,3 +1123,32 @@ def test_a_settle_step_riding_out_a_blip_leaves_other_calls_renewals_alone(step:
     _join_workers("effectfence-settle")
     assert fence.intent_status("charge:A").state == ("done" if step == "commit" else "absent")
     assert taken_over == []
+
+
+def test_a_commit_delivered_after_its_loop_closed_is_not_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """offload=True; the commit meets a blip and a shutdown lands in its retry pause. The
+    commit applies from its own thread after asyncio.run closed the loop, and its answer
+    can't be delivered: the future waiting for it stayed in the module's set for good, and
+    the closed loop with it, one per such shutdown (found by review)."""
+    import effectfence.driver as drv
+
+    monkeypatch.setattr("effectfence.driver.COMMIT_RETRY_PAUSES", (0.3,))
+    fence = EffectFence(store=Flaky(complete=1))
+    before = set(drv._SETTLING)
+
+    async def effect(ticket: Any) -> str:
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.05, lambda: [t.cancel() for t in asyncio.all_tasks(loop)])
+        return "charged"
+
+    async def main() -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            await run_async(fence, req(), Options(), effect, offload=True)
+
+    with contextlib.suppress(asyncio.CancelledError):
+        asyncio.run(main())
+    _join_workers("effectfence-settle")
+    assert fence.intent_status("charge:1").state == "done"
+    assert set(drv._SETTLING) - before == set(), "an undeliverable answer is kept"
