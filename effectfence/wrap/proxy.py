@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import datetime
 import functools
@@ -687,7 +688,7 @@ class Proxy:
         self._sending: dict[Any, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         #: messages waiting for a (re)starting child, in the order they came (_in_order)
-        self._backlog: list[tuple[Any, Callable[[], Awaitable[None]]]] | None = None
+        self._backlog: collections.deque[tuple[Any, Callable[[], Awaitable[None]]]] | None = None
         self.closing = False
         self.fatal: str | None = None
         #: the signal that ended the relay (see terminate), if one did
@@ -1054,7 +1055,7 @@ class Proxy:
             await send()
             return
         if self._backlog is None:
-            self._backlog = [(cid, send)]
+            self._backlog = collections.deque([(cid, send)])
             self._spawn(self._send_backlog())
         else:
             self._backlog.append((cid, send))
@@ -1068,7 +1069,7 @@ class Proxy:
                     await backlog[0][1]()
                 except Exception as exc:  # one message must not strand those behind it
                     _stderr(f"internal error relaying a message: {exc!r}; dropped it")
-                backlog.pop(0)
+                backlog.popleft()  # a list's pop(0) made a long backlog quadratic
         finally:
             self._backlog = None
 
