@@ -2073,19 +2073,23 @@ def test_redis_refuses_to_open_for_a_user_who_may_not_publish(
 def test_redis_refuses_to_open_for_a_user_refused_a_command_or_a_key(
     private_redis: Callable[..., str],
 ) -> None:
-    """A user without EVAL, or without the store's keys, got redis-py's raw
-    NoPermissionError at open. It is refused typed, not retryable, writing nothing, and
-    the ``recover`` it gives is enough: a user made with exactly that line runs every
-    step (found while checking last session's notes)."""
+    """A user without EVALSHA, or without the store's keys, got redis-py's raw
+    NoPermissionError: at open, or (EVALSHA, which the open's EVAL probe passed) at every
+    step (found by review). Refused at open, typed, not retryable, writing nothing; the
+    ``recover`` it gives is enough, on a database other than 0 too (its SELECT was refused
+    and reported as unreadable settings, found by review): a user made with exactly that
+    line runs every step. EVALSHA revoked later: each step is refused, nothing applied."""
     from effectfence.store.redis import RedisStore
 
     url = private_redis()
     admin = _admin(url)
-    admin.execute_command("ACL", "SETUSER", "noeval", "on", ">pw", "~*", "&*", "+@all", "-eval")
+    admin.execute_command(
+        "ACL", "SETUSER", "noevalsha", "on", ">pw", "~*", "&*", "+@all", "-evalsha"
+    )
     admin.execute_command("ACL", "SETUSER", "nokey", "on", ">pw", "~other:*", "&*", "+@all")
     try:
         recovers = set()
-        for user in ("noeval", "nokey"):
+        for user in ("noevalsha", "nokey"):
             with pytest.raises(StoreUnavailable) as refused:
                 RedisStore.from_url(url.replace("redis://", f"redis://{user}:pw@") + "?prefix=rv_u")
             exc = refused.value
@@ -2096,7 +2100,8 @@ def test_redis_refuses_to_open_for_a_user_refused_a_command_or_a_key(
         (recover,) = recovers
         grant = recover.split("ACL SETUSER <user> ", 1)[1].split()
         admin.execute_command("ACL", "SETUSER", "least", "on", ">pw", "resetchannels", *grant)
-        store = RedisStore.from_url(url.replace("redis://", "redis://least:pw@") + "?prefix=rv_u")
+        db1 = url.replace("redis://", "redis://least:pw@").rsplit("/", 1)[0] + "/1?prefix=rv_u"
+        store = RedisStore.from_url(db1)
         try:
             fence = EffectFence(store=store)
             ticket = fence.prepare(req()).ticket
@@ -2105,6 +2110,17 @@ def test_redis_refuses_to_open_for_a_user_refused_a_command_or_a_key(
             fence.abort(fence.prepare(req("charge:2")).ticket, "declined")
             assert store.clear("charge:2") is not None and fence.sweep() >= 0
             assert store.durability()["appendfsync"] is not None  # CONFIG GET was allowed
+            held = fence.prepare(req("charge:3")).ticket
+            admin.execute_command("ACL", "SETUSER", "least", "-evalsha")
+            for step in (lambda: fence.commit(held, "r"), lambda: fence.prepare(req("charge:4"))):
+                with pytest.raises(StoreUnavailable) as refused:
+                    step()
+                assert refused.value.details["server_reply"].startswith("NOPERM ")
+            admin.execute_command("ACL", "SETUSER", "least", "+evalsha")
+            rec = store.get("charge:3")
+            assert (
+                rec is not None and rec.state is State.IN_FLIGHT and store.get("charge:4") is None
+            )
         finally:
             store.close()
     finally:

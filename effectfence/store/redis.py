@@ -137,6 +137,10 @@ _REFUSED_CLASSES: tuple[tuple[type[Exception], str], ...] = (
     # reload: it did not run. Untyped, a commit was neither retried nor fenced, and once
     # the lease lapsed an identical call ran the effect again (found by review)
     (redis.exceptions.NoScriptError, "NOSCRIPT"),
+    # the ACL refused the command (EVALSHA) or a key it declares: checked before the script
+    # runs (a refusal inside one comes as a plain error). Untyped, every step of a user
+    # refused EVALSHA escaped raw (found by review)
+    (redis.exceptions.NoPermissionError, "NOPERM"),
 )
 _REFUSED_CODES = frozenset(
     ("LOADING", "READONLY", "OOM", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "MISCONF",
@@ -627,6 +631,12 @@ def _redis_py_options() -> frozenset[str]:
     return frozenset(names - {"self", "args", "kwargs"})
 
 
+def _denied(exc: BaseException) -> bool:
+    """The ACL refused a settings reader its own command (CONFIG, INFO, ROLE): it reads
+    another way, or reports the setting unknown, rather than refuse to open."""
+    return isinstance(exc, redis.exceptions.NoPermissionError)
+
+
 def _refused(exc: BaseException) -> str | None:
     """The server's reply if it refused the command before running it (nothing applied),
     else None: a lost connection, or an error no one can say applied nothing."""
@@ -774,6 +784,10 @@ class RedisStore(FenceStore):
         self._demoted: str | None = None  # why claims are refused, while not on a master
         self._judged_at_open: tuple[bool, str] | None = None  # the verdict, while demoted
         try:
+            # a first round trip, on its own: the connection's own set-up (SELECT of a
+            # database other than 0, CLIENT SETNAME) refused by an ACL came out of the
+            # settings' readers as "unreadable", refused under the wrong name (review)
+            self._r.ping()
             # settings first: a server the store refuses gets nothing written
             self._durability = self._read_persistence()
             self._durability.update(self._read_eviction())
@@ -794,7 +808,7 @@ class RedisStore(FenceStore):
                 retryable=False,
                 recover=f"grant the store's user its keys, channel and commands: ACL SETUSER "
                 f"<user> ~{self._p}:* &{self._p}:changes +@scripting +@read +@write "
-                "+@pubsub +info +role +time +config|get",
+                "+@pubsub +info +role +time +config|get +ping +select +client|setname",
                 setting="acl",
             ) from exc
         except (*_LOST, redis.exceptions.ResponseError) as exc:
@@ -880,14 +894,14 @@ class RedisStore(FenceStore):
                     out[name] = out[name].decode()
             out["source"] = "CONFIG GET"
         except redis.exceptions.ResponseError as exc:
-            if _refused(exc) is not None:
+            if _refused(exc) is not None and not _denied(exc):
                 raise
             try:
                 info = self._r.info("persistence")
                 appendonly: str | None = "yes" if info.get("aof_enabled") else "no"
                 source = "INFO persistence (CONFIG is disabled)"
             except redis.exceptions.ResponseError as again:
-                if _refused(again) is not None:
+                if _refused(again) is not None and not _denied(again):
                     raise
                 appendonly, source = None, "unreadable (CONFIG GET and INFO refused)"
             out = {
@@ -940,13 +954,13 @@ class RedisStore(FenceStore):
         try:
             return _text(self._r.info("replication")["role"])
         except (redis.exceptions.ResponseError, KeyError) as exc:
-            if _refused(exc) is not None:
+            if _refused(exc) is not None and not _denied(exc):
                 raise
         try:
             role: Any = self._r.role()  # ["master" | "slave" | "sentinel", ...]
             return _text(role[0])
         except (redis.exceptions.ResponseError, IndexError, TypeError) as exc:
-            if _refused(exc) is not None:
+            if _refused(exc) is not None and not _denied(exc):
                 raise
         return None
 
@@ -971,8 +985,11 @@ class RedisStore(FenceStore):
         (may_write() in _PRELUDE): INFO replication, or PUBLISH on the changes channel.
         Every step would be refused, so the store does not open; a right revoked later
         makes steps refuse, applying nothing."""
-        try:
-            self._r.eval(_PRELUDE + "may_write() return 1", 0, self._p, "")
+        try:  # the steps' own way (EVALSHA, SCRIPT LOAD): EVAL alone passed a user
+            # refused EVALSHA, whose every step then failed (found by review)
+            _Script(self._r, _PRELUDE + "may_write() return 1", self._conns)((), (self._p, ""))
+        except redis.exceptions.NoPermissionError:
+            raise  # refused at open as the ACL's (see __init__)
         except redis.exceptions.ResponseError as exc:
             said = str(exc)
             if said.startswith("NOPUBLISH "):
@@ -1005,7 +1022,7 @@ class RedisStore(FenceStore):
             maxmemory = int(_text(got["maxmemory"]))
             policy = _text(got["maxmemory-policy"])
         except (redis.exceptions.ResponseError, KeyError, ValueError) as exc:
-            if _refused(exc) is not None:
+            if _refused(exc) is not None and not _denied(exc):
                 raise
             try:
                 info = self._r.info("memory")
@@ -1013,7 +1030,7 @@ class RedisStore(FenceStore):
                 policy = _text(info["maxmemory_policy"])
                 source = "INFO memory (CONFIG is disabled)"
             except (redis.exceptions.ResponseError, KeyError, ValueError) as again:
-                if _refused(again) is not None:
+                if _refused(again) is not None and not _denied(again):
                     raise
                 maxmemory, policy = None, None
                 source = "unreadable (CONFIG GET and INFO memory refused)"
