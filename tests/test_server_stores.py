@@ -2127,6 +2127,26 @@ def test_redis_refuses_to_open_for_a_user_refused_a_command_or_a_key(
         admin.close()
 
 
+def test_redis_refuses_to_open_where_info_is_renamed_away(
+    private_redis: Callable[..., str],
+) -> None:
+    """Every writing step checks the role with INFO: on a server that renamed it away
+    (rename-command INFO ""), the open's probe raised a raw script error (found by
+    review). Refused typed, naming the setting, writing nothing."""
+    from effectfence.store.redis import RedisStore
+
+    url = private_redis("--rename-command", "INFO", "")
+    admin = _admin(url)
+    try:
+        with pytest.raises(StoreUnavailable) as refused:
+            RedisStore.from_url(url + "?prefix=rv_ren")
+        assert refused.value.details["server_reply"].startswith("NOINFO ")
+        assert refused.value.retryable is False and "renamed" in refused.value.recover
+        assert admin.dbsize() == 0
+    finally:
+        admin.close()
+
+
 def test_redis_a_step_that_may_not_publish_applies_nothing(
     private_redis: Callable[..., str],
 ) -> None:
@@ -2238,6 +2258,11 @@ def test_redis_server_refusals_are_store_unavailable_and_apply_nothing(
             assert exc.details["server_reply"].startswith(code + " ")
             assert exc.details["server_reply"] in exc.message and exc.retryable
         assert store.get("charge:2") is None
+        if code == "NOTMASTER":  # an eviction too (left out of the guard at first: review)
+            seq = store.current("order:777")
+            with pytest.raises(StoreUnavailable, match="NOTMASTER"):
+                store.evict_domain("order:777")
+            assert store.current("order:777") == seq
         if code == "NOTMASTER":  # and a store opened on the demoted server: typed, not raw
             with pytest.raises(StoreUnavailable, match="replica"):
                 RedisStore.from_url(with_query(url, prefix="other"))

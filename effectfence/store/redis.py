@@ -215,12 +215,15 @@ local function changed(intent) redis.call('PUBLISH', P .. ':changes', intent) en
 -- and a PUBLISH refused after the writes left them applied and the caller an untyped
 -- error (found by review).
 local function may_write()
-    if redis.acl_check_cmd and not redis.acl_check_cmd('INFO', 'replication') then
-        error({err = 'NOINFO this user may not run INFO replication, which every step runs '
-            .. 'to check that the server is a master (grant it: ACL SETUSER <user> '
-            .. '+info|replication).'})
+    -- pcall: refused by the ACL, or renamed away (rename-command), INFO raised a bug-class
+    -- error (found by review)
+    local ok, info = pcall(redis.call, 'INFO', 'replication')
+    if not ok or type(info) ~= 'string' then
+        error({err = 'NOINFO this user may not run INFO replication, or the server renamed '
+            .. 'it: every step runs it to check that the server is a master (grant it: ACL '
+            .. 'SETUSER <user> +info|replication; keep the INFO command).'})
     end
-    if not string.find(redis.call('INFO', 'replication'), '\\nrole:master\\r', 1, true) then
+    if not string.find(info, '\\nrole:master\\r', 1, true) then
         error({err = 'NOTMASTER this server is not a master (a failover demoted it?): what '
             .. 'it accepted would be lost at its next resync. Point the store at the master.'})
     end
@@ -457,6 +460,7 @@ return {'applied', cur, ifmt(id), fmt(t)}
 _EVICT = """
 -- KEYS[1] domain hash  KEYS[2] its in-flight set  KEYS[3] fence hash  KEYS[4] domain set
 -- ARGV[1] prefix  ARGV[2] ''  ARGV[3] domain  -> {'busy', n} | {'applied', seq or nil}
+may_write()  -- left out at first: on a demoted writable replica it answered APPLIED (review)
 local busy = 0
 for _, intent in ipairs(redis.call('SMEMBERS', KEYS[2])) do
     local r = redis.call('HMGET', P .. ':i:' .. intent, 'state', 'domain')
@@ -786,8 +790,9 @@ class RedisStore(FenceStore):
         try:
             # a first round trip, on its own: the connection's own set-up (SELECT of a
             # database other than 0, CLIENT SETNAME) refused by an ACL came out of the
-            # settings' readers as "unreadable", refused under the wrong name (review)
-            self._r.ping()
+            # settings' readers as "unreadable", refused under the wrong name (review).
+            # TIME, which every step needs: PING refused users the line had let in (review)
+            self._r.time()
             # settings first: a server the store refuses gets nothing written
             self._durability = self._read_persistence()
             self._durability.update(self._read_eviction())
@@ -808,7 +813,7 @@ class RedisStore(FenceStore):
                 retryable=False,
                 recover=f"grant the store's user its keys, channel and commands: ACL SETUSER "
                 f"<user> ~{self._p}:* &{self._p}:changes +@scripting +@read +@write "
-                "+@pubsub +info +role +time +config|get +ping +select +client|setname",
+                "+@pubsub +info +role +time +config|get +select +client|setname",
                 setting="acl",
             ) from exc
         except (*_LOST, redis.exceptions.ResponseError) as exc:
@@ -998,7 +1003,11 @@ class RedisStore(FenceStore):
                     "acl channels",
                 )
             elif said.startswith("NOINFO "):
-                grant, setting = "INFO replication: ACL SETUSER <user> +info|replication", "acl"
+                grant, setting = (
+                    "INFO replication (ACL SETUSER <user> +info|replication), and keep the "
+                    "INFO command (not renamed or disabled)",
+                    "acl",
+                )
             else:
                 raise
             raise StoreUnavailable(
