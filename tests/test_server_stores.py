@@ -2101,6 +2101,10 @@ def test_redis_refuses_to_open_for_a_user_refused_a_command_or_a_key(
         grant = recover.split("ACL SETUSER <user> ", 1)[1].split()
         admin.execute_command("ACL", "SETUSER", "least", "on", ">pw", "resetchannels", *grant)
         db1 = url.replace("redis://", "redis://least:pw@").rsplit("/", 1)[0] + "/1?prefix=rv_u"
+        # redis-py's health checks (health_check_interval) PING: refused, a read after an
+        # idle spell failed (found by review of a line that had dropped +ping)
+        with _admin(db1.split("?")[0]) as least:
+            assert least.ping()
         store = RedisStore.from_url(db1)
         try:
             fence = EffectFence(store=store)

@@ -813,7 +813,7 @@ class RedisStore(FenceStore):
                 retryable=False,
                 recover=f"grant the store's user its keys, channel and commands: ACL SETUSER "
                 f"<user> ~{self._p}:* &{self._p}:changes +@scripting +@read +@write "
-                "+@pubsub +info +role +time +config|get +select +client|setname",
+                "+@pubsub +info +role +time +config|get +ping +select +client|setname",
                 setting="acl",
             ) from exc
         except (*_LOST, redis.exceptions.ResponseError) as exc:
