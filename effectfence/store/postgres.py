@@ -853,8 +853,6 @@ class PostgresStore(FenceStore):
         self._listen_conn: psycopg.Connection[Any] | None = None
         self._listener_lock = _fork.lock()
         self._relisten_at = 0.0
-        # libpq waits for ever by default: the listener's connect is bounded unless the
-        # operator's URL says otherwise
         try:
             self.store_id = self._init_schema()
         except BaseException:

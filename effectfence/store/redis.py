@@ -804,7 +804,7 @@ class RedisStore(FenceStore):
             self.close()
             raise
         except redis.exceptions.NoPermissionError as exc:  # a ResponseError: before it
-            # a user without EVAL, or without the store's keys, got redis-py's raw error
+            # a user refused EVALSHA, or the store's keys, got redis-py's raw error
             self.close()
             raise StoreUnavailable(
                 f"refusing to open the Redis store at {mask_url(self._url)}: its user is "
