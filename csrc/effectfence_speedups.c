@@ -69,10 +69,6 @@ static void buf_init_limit(Buf *b, Py_ssize_t limit) {
     b->over = 0;
 }
 
-static void buf_init(Buf *b) {
-    buf_init_limit(b, PY_SSIZE_T_MAX);
-}
-
 static void buf_free(Buf *b) {
     if (b->p != b->stack) {
         PyMem_Free(b->p);
