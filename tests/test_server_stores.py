@@ -2114,6 +2114,7 @@ def test_redis_refuses_to_open_for_a_user_refused_a_command_or_a_key(
             fence.abort(fence.prepare(req("charge:2")).ticket, "declined")
             assert store.clear("charge:2") is not None and fence.sweep() >= 0
             assert store.durability()["appendfsync"] is not None  # CONFIG GET was allowed
+            assert len(store.sealing_key()) == 32  # what the MCP server seals tickets with
             held = fence.prepare(req("charge:3")).ticket
             admin.execute_command("ACL", "SETUSER", "least", "-evalsha")
             for step in (lambda: fence.commit(held, "r"), lambda: fence.prepare(req("charge:4"))):
@@ -2267,6 +2268,10 @@ def test_redis_server_refusals_are_store_unavailable_and_apply_nothing(
             with pytest.raises(StoreUnavailable, match="NOTMASTER"):
                 store.evict_domain("order:777")
             assert store.current("order:777") == seq
+            # and a first sealing key: made there, it was lost at the resync (review)
+            with pytest.raises(StoreUnavailable, match="NOTMASTER"):
+                store.sealing_key()
+            assert admin.hget(f"{store._p}:meta", "sealing_key") is None
         if code == "NOTMASTER":  # and a store opened on the demoted server: typed, not raw
             with pytest.raises(StoreUnavailable, match="replica"):
                 RedisStore.from_url(with_query(url, prefix="other"))
@@ -2274,6 +2279,8 @@ def test_redis_server_refusals_are_store_unavailable_and_apply_nothing(
         undo()
     cert = fence.commit(ticket, "r")  # nothing was applied: the same commit goes through
     assert fence.prepare(req(agent="b")).cert.hash == cert.hash
+    key = store.sealing_key()  # made on the master, then read as made by every process
+    assert len(key) == 32 and RedisStore.from_url(url).sealing_key() == key
     store.close()
     admin.close()
 

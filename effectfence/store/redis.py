@@ -247,6 +247,18 @@ _NOW = """
 return fmt(now())
 """
 
+_SEALING_KEY = """
+-- KEYS[1] the prefix's meta hash  ARGV[1] prefix  ARGV[2] ''  ARGV[3] a new key, if none
+-- -> the sealing key (hex). Read first: one there is kept as is. Made only where writes hold:
+-- on a demoted writable replica a first key was made there and lost at its resync, and
+-- every ticket sealed with it refused after (HSETNX outside may_write(), found by review)
+local key = redis.call('HGET', KEYS[1], 'sealing_key')
+if key then return key end
+may_write()
+redis.call('HSET', KEYS[1], 'sealing_key', ARGV[3])
+return ARGV[3]
+"""
+
 _CURRENT = """
 -- KEYS: none  ARGV[1] prefix  ARGV[2] ''  ARGV[3] domain  -> its seq (an absent one: floor)
 return ifmt(at(ARGV[3]))
@@ -635,10 +647,11 @@ def _redis_py_options() -> frozenset[str]:
     return frozenset(names - {"self", "args", "kwargs"})
 
 
-def _denied(exc: BaseException) -> bool:
-    """The ACL refused a settings reader its own command (CONFIG, INFO, ROLE): it reads
-    another way, or reports the setting unknown, rather than refuse to open."""
-    return isinstance(exc, redis.exceptions.NoPermissionError)
+def _reader_stops(exc: BaseException) -> bool:
+    """A settings reader (CONFIG, INFO, ROLE) stops on a refusal of the server's (LOADING,
+    BUSY...: the open is refused with it), but not on the ACL's refusal of its own command:
+    then it reads another way, or reports the setting unknown, rather than refuse to open."""
+    return _refused(exc) is not None and not isinstance(exc, redis.exceptions.NoPermissionError)
 
 
 def _refused(exc: BaseException) -> str | None:
@@ -768,6 +781,7 @@ class RedisStore(FenceStore):
         self._s_read = _Script(r, _PRELUDE + _READ, self._conns)
         self._s_now = _Script(r, _PRELUDE + _NOW, self._conns)
         self._s_current = _Script(r, _PRELUDE + _CURRENT, self._conns)
+        self._s_sealing_key = _Script(r, _PRELUDE + _SEALING_KEY, self._conns)
         self._s_in_flight = _Script(r, _PRELUDE + _IN_FLIGHT, self._conns)
         self._s_claim = _Script(r, _PRELUDE + _CLAIM, self._conns)
         self._s_complete = _Script(r, _PRELUDE + _COMPLETE, self._conns)
@@ -899,14 +913,14 @@ class RedisStore(FenceStore):
                     out[name] = out[name].decode()
             out["source"] = "CONFIG GET"
         except redis.exceptions.ResponseError as exc:
-            if _refused(exc) is not None and not _denied(exc):
+            if _reader_stops(exc):
                 raise
             try:
                 info = self._r.info("persistence")
                 appendonly: str | None = "yes" if info.get("aof_enabled") else "no"
                 source = "INFO persistence (CONFIG is disabled)"
             except redis.exceptions.ResponseError as again:
-                if _refused(again) is not None and not _denied(again):
+                if _reader_stops(again):
                     raise
                 appendonly, source = None, "unreadable (CONFIG GET and INFO refused)"
             out = {
@@ -959,13 +973,13 @@ class RedisStore(FenceStore):
         try:
             return _text(self._r.info("replication")["role"])
         except (redis.exceptions.ResponseError, KeyError) as exc:
-            if _refused(exc) is not None and not _denied(exc):
+            if _reader_stops(exc):
                 raise
         try:
             role: Any = self._r.role()  # ["master" | "slave" | "sentinel", ...]
             return _text(role[0])
         except (redis.exceptions.ResponseError, IndexError, TypeError) as exc:
-            if _refused(exc) is not None and not _denied(exc):
+            if _reader_stops(exc):
                 raise
         return None
 
@@ -1031,7 +1045,7 @@ class RedisStore(FenceStore):
             maxmemory = int(_text(got["maxmemory"]))
             policy = _text(got["maxmemory-policy"])
         except (redis.exceptions.ResponseError, KeyError, ValueError) as exc:
-            if _refused(exc) is not None and not _denied(exc):
+            if _reader_stops(exc):
                 raise
             try:
                 info = self._r.info("memory")
@@ -1039,7 +1053,7 @@ class RedisStore(FenceStore):
                 policy = _text(info["maxmemory_policy"])
                 source = "INFO memory (CONFIG is disabled)"
             except (redis.exceptions.ResponseError, KeyError, ValueError) as again:
-                if _refused(again) is not None and not _denied(again):
+                if _reader_stops(again):
                     raise
                 maxmemory, policy = None, None
                 source = "unreadable (CONFIG GET and INFO memory refused)"
@@ -1338,16 +1352,17 @@ class RedisStore(FenceStore):
         return 0 if got is None else int(got)
 
     def sealing_key(self) -> bytes:
-        """Kept in the prefix's meta hash (HSETNX, then read): every process sharing the
-        store seals and opens tickets with the same key."""
+        """Kept in the prefix's meta hash (the first one made wins): every process sharing
+        the store seals and opens tickets with the same key. Made by a script that checks
+        the role first (:data:`_SEALING_KEY`); read or made, it is safe to run again."""
         if self._key is None:
-            meta = f"{self._p}:meta"
-
-            def get_or_create() -> bytes:
-                self._r.hsetnx(meta, "sealing_key", secrets.token_hex(32))
-                return bytes.fromhex(_text(self._r.hget(meta, "sealing_key")))
-
-            self._key = self._cmd("sealing_key", get_or_create)
+            got = self._read(
+                "sealing_key",
+                self._s_sealing_key,
+                (f"{self._p}:meta",),
+                ("", secrets.token_hex(32)),
+            )
+            self._key = bytes.fromhex(_text(got))
         return self._key
 
     # -- steps --------------------------------------------------------------------------------
