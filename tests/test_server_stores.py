@@ -2132,6 +2132,67 @@ def test_redis_refuses_to_open_for_a_user_refused_a_command_or_a_key(
         admin.close()
 
 
+def test_redis_cluster_redirects_are_refused_typed_naming_the_node(
+    private_redis: Callable[..., str], tmp_path: Path
+) -> None:
+    """Every key of a prefix lives in one hash slot, and the store talks to the one node the
+    URL names. A node that does not serve the slot answers MOVED: at open that escaped as
+    redis-py's raw MovedError ("9575 127.0.0.1:7712", naming no code), and a step after a
+    reshard did too (review). Now: at open refused, not retryable, naming the node to use
+    and writing nothing; in a step store_unavailable, nothing applied, the node named."""
+    from effectfence.store.redis import RedisStore
+
+    def node(name: str) -> tuple[str, Any, str]:
+        bus = str(_free_port())  # by default port + 10000: past 65535 for a high free port
+        url = private_redis(
+            "--cluster-enabled", "yes", "--cluster-config-file", str(tmp_path / f"{name}.conf"),
+            "--cluster-port", bus,
+        )  # fmt: skip
+        return url, _admin(url), bus
+
+    (url_a, a, _), (url_b, b, b_bus) = node("a"), node("b")
+    try:
+        b_port = int(url_b.rsplit(":", 1)[1].split("/")[0])
+        a.execute_command("CLUSTER", "MEET", "127.0.0.1", str(b_port), b_bus)
+        slot = int(a.execute_command("CLUSTER", "KEYSLOT", "{rv_cl}"))
+        a.execute_command("CLUSTER", "ADDSLOTS", *(i for i in range(16384) if i != slot))
+        b.execute_command("CLUSTER", "ADDSLOTS", slot)
+        deadline = time.monotonic() + 20
+        while b"cluster_state:ok" not in a.execute_command("CLUSTER", "INFO") or (
+            b"cluster_state:ok" not in b.execute_command("CLUSTER", "INFO")
+        ):
+            assert time.monotonic() < deadline, "the two nodes did not form a cluster"
+            time.sleep(0.05)
+        with pytest.raises(StoreUnavailable) as refused:
+            RedisStore.from_url(url_a + "?prefix=rv_cl")
+        exc = refused.value
+        assert exc.retryable is False and exc.details["setting"] == "cluster", exc
+        assert exc.details["server_reply"] == f"MOVED {slot} 127.0.0.1:{b_port}"
+        assert f"127.0.0.1:{b_port}" in exc.recover and a.dbsize() == 0
+        store = RedisStore.from_url(url_b + "?prefix=rv_cl")  # the node that serves it
+        fence = EffectFence(store=store)
+        try:
+            ticket = fence.prepare(req()).ticket
+            # the cluster gives the (emptied) slot to the other node: a reshard
+            b.flushall()
+            a_id = a.execute_command("CLUSTER", "MYID").decode()
+            for n in (b, a):
+                n.execute_command("CLUSTER", "SETSLOT", slot, "NODE", a_id)
+            for step in (lambda: fence.commit(ticket, "r"), lambda: fence.prepare(req("c:2"))):
+                with pytest.raises(StoreUnavailable) as moved:
+                    step()
+                assert moved.value.details["server_reply"].startswith(f"MOVED {slot} ")
+            assert a.dbsize() == 0 and b.dbsize() == 0  # nothing applied anywhere
+            with pytest.raises(StoreUnavailable) as read:
+                store.get("charge:1")
+            assert url_a.split("//")[1].split("/")[0] in read.value.recover
+        finally:
+            store.close()
+    finally:
+        a.close()
+        b.close()
+
+
 def test_redis_refuses_to_open_where_info_is_renamed_away(
     private_redis: Callable[..., str],
 ) -> None:

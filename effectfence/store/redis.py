@@ -141,6 +141,10 @@ _REFUSED_CLASSES: tuple[tuple[type[Exception], str], ...] = (
     # runs (a refusal inside one comes as a plain error). Untyped, every step of a user
     # refused EVALSHA escaped raw (found by review)
     (redis.exceptions.NoPermissionError, "NOPERM"),
+    # a cluster node that does not serve the prefix's slot (the URL names another node, or
+    # the cluster moved the slot): redirected, not run. Raw, naming neither (review)
+    (redis.exceptions.MovedError, "MOVED"),  # a subclass of AskError: first
+    (redis.exceptions.AskError, "ASK"),
 )
 _REFUSED_CODES = frozenset(
     ("LOADING", "READONLY", "OOM", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "MISCONF",
@@ -667,6 +671,15 @@ def _refused(exc: BaseException) -> str | None:
     return None
 
 
+def _redirected(said: str) -> str:
+    """What to do about a cluster's redirect (``MOVED|ASK <slot> <host:port>``)."""
+    _, slot, node = [*said.split(), "?", "?"][:3]
+    return (
+        f"point the store's URL at {node}, the cluster node serving hash slot {slot}, where "
+        "every key of this prefix lives: the store talks to one node and follows no redirect"
+    )
+
+
 def _flag(name: str, v: str) -> bool:
     if v.lower() in _TRUE:
         return True
@@ -829,6 +842,18 @@ class RedisStore(FenceStore):
                 f"<user> ~{self._p}:* &{self._p}:changes +@scripting +@read +@write "
                 "+@pubsub +info +role +time +config|get +ping +select +client|setname",
                 setting="acl",
+            ) from exc
+        except redis.exceptions.AskError as exc:  # MOVED too: a ResponseError, before it
+            self.close()
+            redirect = _refused(exc) or str(exc)
+            raise StoreUnavailable(
+                f"refusing to open the Redis store at {mask_url(self._url)}: this cluster "
+                f"node does not serve the prefix's keys ({redirect})",
+                operation="open",
+                retryable=False,
+                recover=_redirected(redirect),
+                setting="cluster",
+                server_reply=redirect,
             ) from exc
         except (*_LOST, redis.exceptions.ResponseError) as exc:
             self.close()
@@ -1185,9 +1210,11 @@ class RedisStore(FenceStore):
     def _refusal(self, op: str, said: str) -> StoreUnavailable:
         """The server refused the command before running it: nothing applied, so the
         driver's retries (and, after a commit, its abort) can act on it."""
+        moved = said.startswith(("MOVED ", "ASK "))
         return StoreUnavailable(
             f"the Redis store {self.prefix!r} refused {op}: the server answered {said!r}; "
             "nothing was applied",
+            recover=_redirected(said) if moved else None,
             operation=op,
             server_reply=said,
         )
