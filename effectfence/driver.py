@@ -265,6 +265,32 @@ def _again(step: Callable[[], _T]) -> Generator[Instruction, Any, _T]:
     return step()
 
 
+def release_riding_blips(fence: EffectFence, ticket: PreparedEffect) -> BaseException | None:
+    """``fence.release(ticket)`` for a ticket whose caller never received it, through a
+    store blip as the driver settles its own (:func:`_again`), sleeping in this thread
+    between tries: so call it on a thread of its own. What the last try raised, or None.
+    One try left the intent held by nobody until its lease lapsed (noted by review)."""
+    tries = _again(functools.partial(fence.release, ticket))
+    try:
+        pause = next(tries)
+        while isinstance(pause, Pause):  # _again yields nothing else
+            time.sleep(pause.seconds)
+            pause = tries.send(None)
+        raise AssertionError(f"a release yielded {pause!r}")  # cannot happen: reported
+    except StopIteration:
+        return None
+    except Exception as exc:  # a refusal, or the store still down after the last try
+        return exc
+
+
+def release_aside(
+    fence: EffectFence, ticket: PreparedEffect, then: Callable[[BaseException | None], None]
+) -> None:
+    """:func:`release_riding_blips` in a thread of its own (:func:`_aside`, not a shared
+    worker, whose sleeps would hold up other calls' steps); ``then(outcome)`` there."""
+    _aside(lambda: then(release_riding_blips(fence, ticket)))
+
+
 def _settling(step: Callable[[], _T]) -> Generator[Instruction, Any, _T]:
     """:func:`_again` for a step that settles an effect (abort, release). Closed while it
     pauses (Ctrl-C, a task dropped), it makes one last attempt, now, without a yield: left

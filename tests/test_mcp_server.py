@@ -1092,6 +1092,21 @@ async def test_a_read_never_waits_behind_writes_parked_on_the_store(tmp_path: Pa
         fence.close()
 
 
+def _gone_after_a_fresh_prepare(tools: Any, fence: EffectFence, req: EffectRequest) -> None:
+    """On the loop: a fresh prepare whose step finished for a caller gone (after_cancel)."""
+    import asyncio
+
+    from effectfence.mcp.telemetry import Decision
+
+    d = Decision("fence_prepare", None)
+    d.intent, d.domain = req.intent, req.domain
+    d.ticket = fence.prepare(req).ticket
+    d.outcome, d.token = "fresh", d.ticket.token
+    job = asyncio.get_running_loop().create_future()
+    job.set_result(None)
+    tools.after_cancel(d, job)
+
+
 def test_an_undelivered_tickets_release_is_queued_before_a_shutdown_can_cancel_it(
     tmp_path: Path,
 ) -> None:
@@ -1102,7 +1117,6 @@ def test_an_undelivered_tickets_release_is_queued_before_a_shutdown_can_cancel_i
     import asyncio
 
     from effectfence.mcp.server import _FenceTools
-    from effectfence.mcp.telemetry import Decision
     from effectfence.tickets import TicketSigner
 
     fence = EffectFence.from_url(f"sqlite:///{tmp_path}/f.db")
@@ -1112,18 +1126,99 @@ def test_an_undelivered_tickets_release_is_queued_before_a_shutdown_can_cancel_i
     req = EffectRequest("charge:1", "order:1", "charge", {"cents": 1}, "a")
 
     async def main() -> None:
-        d = Decision("fence_prepare", None)
-        d.intent, d.domain = req.intent, req.domain
-        d.ticket = fence.prepare(req).ticket
-        d.outcome, d.token = "fresh", d.ticket.token
-        job = asyncio.get_running_loop().create_future()
-        job.set_result(None)  # the step finished for a caller gone
-        tools.after_cancel(d, job)
+        _gone_after_a_fresh_prepare(tools, fence, req)
         for task in asyncio.all_tasks():  # a shutdown, as a SIGTERM handler does
             if task is not asyncio.current_task():
                 task.cancel()
 
     assert _run_then_settle(main, tools, fence, "charge:1") == "absent"
+
+
+@pytest.mark.parametrize("blips", [1, 3])
+def test_an_undelivered_tickets_release_rides_out_a_store_blip(tmp_path: Path, blips: int) -> None:
+    """The release of a fresh ticket nobody received had one try: a store blip then left
+    the intent held by nobody until its lease lapsed, and identical calls were refused
+    intent_in_flight meanwhile (noted by review). It is tried again as the driver settles
+    its own, the pauses on a thread of their own, and the release is logged and counted."""
+    import asyncio
+    import threading
+
+    from effectfence.errors import StoreUnavailable
+    from effectfence.mcp.server import _FenceTools
+    from effectfence.tickets import TicketSigner
+
+    fence = EffectFence.from_url(f"sqlite:///{tmp_path}/f.db", FenceConfig(lease_ttl=60))
+    metrics = Metrics()
+    tools = _FenceTools(
+        fence, TicketSigner.for_store(fence.store), False, metrics=metrics, authenticated=False
+    )
+    req = EffectRequest("charge:1", "order:1", "charge", {"cents": 1}, "a")
+    real, tried, done = fence.release, [], threading.Event()
+
+    def flaky(ticket: Any) -> None:
+        tried.append(ticket.token)
+        if len(tried) <= blips:
+            raise StoreUnavailable("a blip", operation="release")
+        real(ticket)
+
+    fence.release = flaky  # type: ignore[method-assign]
+    noted = tools._note_release
+
+    def note(d: Any, failed: Any) -> None:
+        noted(d, failed)
+        done.set()
+
+    tools._note_release = note  # type: ignore[method-assign]
+
+    async def main() -> None:
+        _gone_after_a_fresh_prepare(tools, fence, req)
+        while not done.is_set():  # noted on the loop, after the last try
+            await asyncio.sleep(0.01)
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 20.0))
+        assert len(tried) == blips + 1
+        assert fence.intent_status("charge:1").state == "absent"
+        assert metrics.calls[("fence_release", "released")] == 1
+    finally:
+        tools.offloader.close()
+        fence.close(timeout=0)
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_under_trio_an_undelivered_tickets_release_rides_out_a_store_blip(
+    tmp_path: Path, anyio_backend: str
+) -> None:
+    """The same on trio, where the cancelled call releases in its own task (one try)."""
+    from effectfence.errors import StoreUnavailable
+    from effectfence.mcp.server import _FenceTools
+    from effectfence.mcp.telemetry import Decision
+    from effectfence.tickets import TicketSigner
+
+    fence = EffectFence.from_url(f"sqlite:///{tmp_path}/f.db", FenceConfig(lease_ttl=60))
+    metrics = Metrics()
+    tools = _FenceTools(
+        fence, TicketSigner.for_store(fence.store), False, metrics=metrics, authenticated=False
+    )
+    real, tried = fence.release, []
+
+    def flaky(ticket: Any) -> None:
+        tried.append(ticket.token)
+        if len(tried) == 1:
+            raise StoreUnavailable("a blip", operation="release")
+        real(ticket)
+
+    fence.release = flaky  # type: ignore[method-assign]
+    try:
+        d = Decision("fence_prepare", None)
+        d.intent, d.domain = "charge:1", "order:1"
+        d.ticket = fence.prepare(EffectRequest("charge:1", "order:1", "charge", {}, "a")).ticket
+        d.outcome, d.token = "fresh", d.ticket.token
+        await tools._undelivered(d)
+        assert len(tried) == 2 and fence.intent_status("charge:1").state == "absent"
+        assert metrics.calls[("fence_release", "released")] == 1
+    finally:
+        fence.close(timeout=0)
 
 
 def test_a_prepare_a_shutdown_cancels_in_its_worker_leaves_nothing_held(tmp_path: Path) -> None:

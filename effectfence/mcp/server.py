@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import gc
 import logging
@@ -70,7 +71,7 @@ from pydantic import BaseModel, ValidationError
 from effectfence import __version__
 from effectfence.cert import EffectCert, verify_chain
 from effectfence.counters import backend_info
-from effectfence.driver import Offloader
+from effectfence.driver import Offloader, release_aside, release_riding_blips
 from effectfence.errors import InvalidRequest, InvalidTicket, Refusal, StoreUnavailable
 from effectfence.fence import DEFAULT_LEASE_TTL, DEFAULT_RESULT_TTL, EffectFence, FenceConfig
 from effectfence.mcp.models import (
@@ -513,9 +514,17 @@ class _FenceTools:
         self.metrics.observe(d)
         ticket = d.ticket
         if ticket is not None and d.outcome in ("fresh", "takeover"):
+            loop = asyncio.get_running_loop()
+
+            def note(failed: BaseException | None) -> None:  # in a thread: on the loop
+                with contextlib.suppress(RuntimeError):  # the loop closed: nobody counts
+                    loop.call_soon_threadsafe(self._note_release, d, failed)
 
             def released(step: asyncio.Future[Any]) -> None:
                 failed = step.exception() if not step.cancelled() else None
+                if isinstance(failed, StoreUnavailable) and failed.retryable:
+                    release_aside(self.fence, ticket, note)  # a blip: ridden out
+                    return
                 self._note_release(d, failed)
 
             # queued in a worker thread now, not handed to a task: a shutdown cancelling
@@ -537,11 +546,7 @@ class _FenceTools:
         ticket = d.ticket
         if ticket is None or d.outcome not in ("fresh", "takeover"):
             return
-        failed: BaseException | None = None
-        try:
-            await anyio.to_thread.run_sync(self.fence.release, ticket)
-        except Exception as exc:  # a refusal or the store's fault: logged, as after_cancel
-            failed = exc
+        failed = await anyio.to_thread.run_sync(release_riding_blips, self.fence, ticket)
         self._note_release(d, failed)
 
     def _note_release(self, d: Decision, failed: BaseException | None) -> None:
