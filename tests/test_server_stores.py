@@ -1908,6 +1908,7 @@ def test_redis_reads_eviction_settings_from_info_and_fails_closed_when_unreadabl
         RedisStore.from_url(blind)
     store = RedisStore.from_url(blind, allow_eviction=True)
     d = store.durability()
+    assert d["cluster"] == "off"  # INFO cluster refused: CLUSTER MYID answered
     assert d["eviction"] == "unknown" and d["maxmemory"] is None
     assert d["verdict"].startswith("EVICTION UNKNOWN") and "warning" in store.describe()
     assert d["role"] == "master"
@@ -1920,6 +1921,15 @@ def test_redis_reads_eviction_settings_from_info_and_fails_closed_when_unreadabl
     assert refused.value.details["server_reply"].startswith("NOINFO ")
     assert refused.value.retryable is False and "+info|replication" in refused.value.recover
     assert admin.keys("*rv_noinfo*") == []
+    # nor CLUSTER: cluster mode can't be ruled out, refused as unreadable eviction is
+    admin.execute_command("ACL", "SETUSER", "blind", "-cluster")
+    with pytest.raises(StoreUnavailable) as refused:
+        RedisStore.from_url(blind + "?prefix=rv_nocl", allow_eviction=True)
+    assert refused.value.details["cluster"] == "unknown" and not refused.value.retryable
+    assert admin.keys("*rv_nocl*") == []
+    store = RedisStore.from_url(blind + "?prefix=rv_nocl&allow_cluster=1", allow_eviction=True)
+    assert store.durability()["verdict"].startswith("CLUSTER UNKNOWN")
+    store.close()
     admin.close()
 
 
@@ -2132,14 +2142,18 @@ def test_redis_refuses_to_open_for_a_user_refused_a_command_or_a_key(
         admin.close()
 
 
-def test_redis_cluster_redirects_are_refused_typed_naming_the_node(
+def test_redis_refuses_a_cluster_unless_allowed_and_types_its_redirects(
     private_redis: Callable[..., str], tmp_path: Path
 ) -> None:
-    """Every key of a prefix lives in one hash slot, and the store talks to the one node the
-    URL names. A node that does not serve the slot answers MOVED: at open that escaped as
-    redis-py's raw MovedError ("9575 127.0.0.1:7712", naming no code), and a step after a
-    reshard did too (review). Now: at open refused, not retryable, naming the node to use
-    and writing nothing; in a step store_unavailable, nothing applied, the node named."""
+    """In a cluster, a script that wrote and then touched a key the node no longer holds
+    (the prefix's slot migrating) failed halfway, its first writes applied: a commit deleted
+    the record in flight, and an identical call was admitted again once the reshard ended
+    (found by review). A node in cluster mode is refused at open, typed, writing nothing,
+    unless allow_cluster, which the verdict then names. With it, a node that does not serve
+    the prefix's slot answers MOVED: that escaped as redis-py's raw MovedError ("9575
+    127.0.0.1:7712", no code) at open, and in every step after a reshard (review). Now it is
+    refused at open (not retryable), and in a step store_unavailable, nothing applied; both
+    name the node that serves the slot."""
     from effectfence.store.redis import RedisStore
 
     def node(name: str) -> tuple[str, Any, str]:
@@ -2163,15 +2177,25 @@ def test_redis_cluster_redirects_are_refused_typed_naming_the_node(
         ):
             assert time.monotonic() < deadline, "the two nodes did not form a cluster"
             time.sleep(0.05)
-        with pytest.raises(StoreUnavailable) as refused:
-            RedisStore.from_url(url_a + "?prefix=rv_cl")
+        for url in (url_a, url_b):  # refused on either node, whoever serves the slot
+            with pytest.raises(StoreUnavailable) as refused:
+                RedisStore.from_url(url + "?prefix=rv_cl")
+            exc = refused.value
+            assert exc.retryable is False and exc.details["setting"] == "cluster", exc
+            assert exc.details["cluster"] == "on" and "allow_cluster" in exc.message
+        assert a.dbsize() == 0 and b.dbsize() == 0
+        with pytest.raises(StoreUnavailable) as refused:  # allowed, on the wrong node
+            RedisStore.from_url(url_a + "?prefix=rv_cl&allow_cluster=true")
         exc = refused.value
         assert exc.retryable is False and exc.details["setting"] == "cluster", exc
         assert exc.details["server_reply"] == f"MOVED {slot} 127.0.0.1:{b_port}"
         assert f"127.0.0.1:{b_port}" in exc.recover and a.dbsize() == 0
-        store = RedisStore.from_url(url_b + "?prefix=rv_cl")  # the node that serves it
+        store = RedisStore.from_url(url_b + "?prefix=rv_cl&allow_cluster=true")  # its node
         fence = EffectFence(store=store)
         try:
+            d = store.durability()
+            assert d["cluster"] == "on" and d["verdict"].startswith("CLUSTER ON")
+            assert store.describe()["warning"] == d["verdict"]
             ticket = fence.prepare(req()).ticket
             # the cluster gives the (emptied) slot to the other node: a reshard
             b.flushall()
@@ -2191,6 +2215,15 @@ def test_redis_cluster_redirects_are_refused_typed_naming_the_node(
     finally:
         a.close()
         b.close()
+
+
+def test_redis_ask_means_a_migration_not_a_node_to_use() -> None:
+    """An ASK names where the slot is going, not a node that serves it: its advice sent an
+    operator from one node to the other and back (found by review)."""
+    from effectfence.store.redis import _redirected
+
+    assert "migrating to 10.0.0.2:7000" in _redirected("ASK 15685 10.0.0.2:7000")
+    assert _redirected("MOVED 15685 10.0.0.2:7000").startswith("point the store's URL at 10.0")
 
 
 def test_redis_refuses_to_open_where_info_is_renamed_away(

@@ -43,6 +43,13 @@ a stale holder's commit passes). The store reads ``maxmemory`` and ``maxmemory-p
 connect and refuses to open where eviction is possible (or cannot be ruled out) unless told
 ``allow_eviction``, and then says so in :meth:`RedisStore.durability` and ``describe()``.
 
+Cluster: every key of a prefix lives in one hash slot, and the store talks to the one node
+its URL names, following no redirect. While that slot migrates, a script that wrote and then
+touched a key not (or no longer) on the node fails halfway, its first writes applied (a
+commit deleted the record in flight, and an identical call was admitted again once the
+reshard ended; found by review). So the store refuses a server in cluster mode (or one whose
+mode cannot be read) unless told ``allow_cluster``, and then says so in the verdict.
+
 Errors: no connection, or a server that refused a command before running it (READONLY
 after a failover, OOM, LOADING, BUSY, MISCONF, NOREPLICAS, CLUSTERDOWN, TRYAGAIN,
 MASTERDOWN, and the scripts' own NOTMASTER, NOINFO and NOPUBLISH: nothing applied), raises
@@ -634,7 +641,14 @@ class _Lost(Exception):
     """The connection broke while a script ran: it may or may not have applied."""
 
 
-_OURS = ("prefix", "allow_eviction", "certs_per_domain", "max_connections", "timeout")
+_OURS = (
+    "prefix",
+    "allow_eviction",
+    "allow_cluster",
+    "certs_per_domain",
+    "max_connections",
+    "timeout",
+)
 
 
 @functools.cache
@@ -673,7 +687,12 @@ def _refused(exc: BaseException) -> str | None:
 
 def _redirected(said: str) -> str:
     """What to do about a cluster's redirect (``MOVED|ASK <slot> <host:port>``)."""
-    _, slot, node = [*said.split(), "?", "?"][:3]
+    code, slot, node = [*said.split(), "?", "?", "?"][:3]
+    if code == "ASK":  # the slot is on its way to that node: no node serves it whole
+        return (
+            f"hash slot {slot}, where every key of this prefix lives, is migrating to {node}: "
+            "point the store's URL at whichever node serves it once the migration ends"
+        )
     return (
         f"point the store's URL at {node}, the cluster node serving hash slot {slot}, where "
         "every key of this prefix lives: the store talks to one node and follows no redirect"
@@ -730,8 +749,11 @@ class RedisStore(FenceStore):
     only, replaces the server's ``TIME`` in every script. ``allow_eviction``: open even where
     the server may evict keys (maxmemory with a policy other than noeviction, or settings that
     cannot be read); refused otherwise, since an evicted record or counter lets an effect run
-    twice. Reported in :meth:`durability` and ``describe()``. ``create=False``: open only a
-    prefix some store wrote (:class:`StoreMissing` otherwise), for looking without writing.
+    twice. Reported in :meth:`durability` and ``describe()``. ``allow_cluster``: open on a
+    server in cluster mode (or whose mode cannot be read): refused otherwise, since a step
+    while the prefix's slot migrates can apply in part (see the module's doc).
+    ``create=False``: open only a prefix some store wrote (:class:`StoreMissing` otherwise),
+    for looking without writing.
     """
 
     name = "redis"
@@ -752,6 +774,7 @@ class RedisStore(FenceStore):
         clock: Callable[[], float] | None = None,
         max_connections: int = 64,
         allow_eviction: bool = False,
+        allow_cluster: bool = False,
         create: bool = True,
     ) -> None:
         if (url is None) == (client is None):
@@ -768,6 +791,7 @@ class RedisStore(FenceStore):
         self.certs_per_domain = certs_per_domain
         self._closed = False
         self.allow_eviction = bool(allow_eviction)
+        self.allow_cluster = bool(allow_cluster)
         self._own_client = client is None
         self._url = url or "redis://(client)"
         if client is None:
@@ -823,7 +847,9 @@ class RedisStore(FenceStore):
             # settings first: a server the store refuses gets nothing written
             self._durability = self._read_persistence()
             self._durability.update(self._read_eviction())
+            self._durability.update(self._read_cluster())
             self._refuse_eviction()
+            self._refuse_cluster()
             self._refuse_replica()
             self._refuse_unwritable()
             self.store_id = self._init()
@@ -850,7 +876,7 @@ class RedisStore(FenceStore):
                 f"refusing to open the Redis store at {mask_url(self._url)}: this cluster "
                 f"node does not serve the prefix's keys ({redirect})",
                 operation="open",
-                retryable=False,
+                retryable=redirect.startswith("ASK "),  # a migration ends; a MOVED stays
                 recover=_redirected(redirect),
                 setting="cluster",
                 server_reply=redirect,
@@ -887,7 +913,7 @@ class RedisStore(FenceStore):
             try:
                 if k == "prefix":
                     ours[k] = v
-                elif k == "allow_eviction":
+                elif k in ("allow_eviction", "allow_cluster"):
                     ours[k] = _flag(k, v)
                 elif k in ("certs_per_domain", "max_connections"):
                     ours[k] = int(v)
@@ -896,7 +922,7 @@ class RedisStore(FenceStore):
                 else:
                     theirs.append((k, v))
             except ValueError:
-                what = "true or false" if k == "allow_eviction" else "a number"
+                what = "true or false" if k.startswith("allow_") else "a number"
                 raise ValueError(f"{k} in {mask_url(url)} must be {what}") from None
         ours.update(options)
         if "client" in ours:
@@ -1153,6 +1179,61 @@ class RedisStore(FenceStore):
             "effect run twice"
         )
 
+    def _read_cluster(self) -> dict[str, Any]:
+        """Whether the server runs in cluster mode: INFO cluster, else CLUSTER MYID (refused
+        "cluster support disabled" on a standalone server), else unknown."""
+        enabled: Any = None
+        try:
+            enabled = self._r.info("cluster").get("cluster_enabled")
+        except redis.exceptions.ResponseError as exc:
+            if _reader_stops(exc):
+                raise
+        if enabled is not None:  # absent (a server that does not say): asked the other way
+            mode = "off" if str(enabled) == "0" else "on"
+        else:
+            mode = "unknown"
+            try:
+                self._r.execute_command("CLUSTER", "MYID")  # type: ignore[no-untyped-call]
+                mode = "on"
+            except redis.exceptions.ResponseError as again:
+                if _reader_stops(again):
+                    raise
+                if "cluster support disabled" in str(again):
+                    mode = "off"
+        return {"cluster": mode, "cluster_allowed": self.allow_cluster}
+
+    def _refuse_cluster(self) -> None:
+        """Fail closed on a server in cluster mode, or one whose mode cannot be read (see
+        the module's doc); with allow_cluster the store opens, and the verdict says so."""
+        d = self._durability
+        if d["cluster"] == "off":
+            return
+        why = (
+            "the server runs in cluster mode"
+            if d["cluster"] == "on"
+            else "cluster mode cannot be ruled out (INFO cluster and CLUSTER MYID refused)"
+        ) + (
+            ": while the prefix's hash slot migrates a step can apply in part, and a record "
+            "lost so lets an effect run twice"
+        )
+        if self.allow_cluster:
+            d["verdict"] = (
+                f"CLUSTER {d['cluster'].upper()} (opened with allow_cluster): {why}; never "
+                f"migrate the slot of {self._p} while a store runs. {d['verdict']}"
+            )
+            return
+        raise StoreUnavailable(
+            f"refusing to open the Redis store at {mask_url(self._url)}: {why}. Use a "
+            "standalone master (Sentinel for failover), or give allow_cluster=true to "
+            "accept that risk",
+            operation="open",
+            retryable=False,
+            recover="point the store at a standalone Redis master (cluster-enabled no)"
+            + ("" if d["cluster"] == "on" else ", and let its user run INFO cluster"),
+            setting="cluster",
+            cluster=d["cluster"],
+        )
+
     def _refuse_eviction(self) -> None:
         """Fail closed where Redis may evict the fence's keys: an evicted record admits a
         second caller, an evicted token counter restarts tokens under a stale holder. With
@@ -1193,8 +1274,8 @@ class RedisStore(FenceStore):
             "certs_per_domain": self.certs_per_domain,
             "durability": self.durability(),
         }
-        if self._durability["eviction"] != "off":  # opened only with allow_eviction: say so
-            out["warning"] = self._durability["verdict"]
+        if self._durability["eviction"] != "off" or self._durability["cluster"] != "off":
+            out["warning"] = self._durability["verdict"]  # opened only when allowed: say so
         return out
 
     # -- calls --------------------------------------------------------------------------------
