@@ -1221,6 +1221,59 @@ async def test_under_trio_an_undelivered_tickets_release_rides_out_a_store_blip(
         fence.close(timeout=0)
 
 
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_under_trio_releases_riding_out_an_outage_hold_up_no_other_step(
+    tmp_path: Path, anyio_backend: str
+) -> None:
+    """On trio the retried releases ran in anyio's shared pool (40 threads), where every
+    step of every call runs: 40 cancelled prepares pausing through an outage held up all
+    other steps, renewals included (found by review). Each has a limiter of its own."""
+    import threading
+
+    import anyio
+
+    from effectfence.errors import StoreUnavailable
+    from effectfence.mcp.server import _FenceTools
+    from effectfence.mcp.telemetry import Decision
+    from effectfence.tickets import TicketSigner
+
+    fence = EffectFence.from_url(f"sqlite:///{tmp_path}/f.db", FenceConfig(lease_ttl=60))
+    tools = _FenceTools(
+        fence, TicketSigner.for_store(fence.store), False, metrics=Metrics(), authenticated=False
+    )
+    shared = anyio.to_thread.current_default_thread_limiter().total_tokens
+    entered, go = threading.Semaphore(0), threading.Event()
+
+    def down(ticket: Any) -> None:  # the store, down until the test lets it be
+        entered.release()
+        go.wait(30)
+        raise StoreUnavailable("down", operation="release")
+
+    fence.release = down  # type: ignore[method-assign]
+    try:
+        async with anyio.create_task_group() as tg:
+            for n in range(int(shared)):
+                d = Decision("fence_prepare", None)
+                req = EffectRequest(f"c:{n}", "order:1", "charge", {}, "a")
+                d.intent, d.domain = req.intent, req.domain
+                d.ticket = fence.prepare(req).ticket
+                d.outcome, d.token = "fresh", d.ticket.token
+                tg.start_soon(tools._undelivered, d)
+            with anyio.fail_after(20):
+                for _ in range(int(shared)):
+                    await anyio.to_thread.run_sync(
+                        entered.acquire, limiter=anyio.CapacityLimiter(1)
+                    )
+            try:
+                with anyio.fail_after(5):  # another call's step, while they wait
+                    assert await tools.off_loop(lambda: 42) == 42
+            finally:
+                go.set()
+    finally:
+        go.set()
+        fence.close(timeout=0)
+
+
 def test_a_prepare_a_shutdown_cancels_in_its_worker_leaves_nothing_held(tmp_path: Path) -> None:
     """The prepare was carried by a task of its own: a shutdown cancelling every task
     cancelled it while the claim went on in its worker, and after_cancel, seeing a cancelled

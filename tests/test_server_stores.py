@@ -2196,6 +2196,20 @@ def test_redis_refuses_a_cluster_unless_allowed_and_types_its_redirects(
             d = store.durability()
             assert d["cluster"] == "on" and d["verdict"].startswith("CLUSTER ON")
             assert store.describe()["warning"] == d["verdict"]
+            # a recheck's verdict (eviction switched on meanwhile) dropped it (review)
+            b.config_set("maxmemory", "100mb")
+            b.config_set("maxmemory-policy", "allkeys-lru")
+            store.eviction_recheck = 0
+            with pytest.raises(StoreUnavailable, match="evict"):
+                fence.prepare(req("c:0"))
+            d = store.durability()
+            assert d["verdict"].startswith("CLUSTER ON") and "allkeys-lru" in d["verdict"]
+            assert store.describe()["warning"] == d["verdict"]
+            b.config_set("maxmemory-policy", "noeviction")
+            assert fence.prepare(req("c:1")).fresh  # read again: claims go on
+            # a node that loses its last slot becomes a replica of its taker (Redis 7): the
+            # role's recheck would refuse the claim below before its MOVED could
+            store.eviction_recheck = 3600
             ticket = fence.prepare(req()).ticket
             # the cluster gives the (emptied) slot to the other node: a reshard
             b.flushall()

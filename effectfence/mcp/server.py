@@ -546,7 +546,11 @@ class _FenceTools:
         ticket = d.ticket
         if ticket is None or d.outcome not in ("fresh", "takeover"):
             return
-        failed = await anyio.to_thread.run_sync(release_riding_blips, self.fence, ticket)
+        # a limiter of its own: in anyio's shared one (40 threads), releases pausing through
+        # an outage held up every other call's steps, renewals included (found by review)
+        failed = await anyio.to_thread.run_sync(
+            release_riding_blips, self.fence, ticket, limiter=anyio.CapacityLimiter(1)
+        )
         self._note_release(d, failed)
 
     def _note_release(self, d: Decision, failed: BaseException | None) -> None:

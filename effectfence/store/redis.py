@@ -838,6 +838,7 @@ class RedisStore(FenceStore):
         self._evicting: str | None = None  # why claims are refused, while eviction is on
         self._demoted: str | None = None  # why claims are refused, while not on a master
         self._judged_at_open: tuple[bool, str] | None = None  # the verdict, while demoted
+        self._cluster_warning = ""  # opened with allow_cluster: the verdict starts so
         try:
             # a first round trip, on its own: the connection's own set-up (SELECT of a
             # database other than 0, CLIENT SETNAME) refused by an ACL came out of the
@@ -1158,7 +1159,11 @@ class RedisStore(FenceStore):
             if self._judged_at_open is None:
                 self._judged_at_open = (d["acknowledged_writes_survive_a_crash"], d["verdict"])
             d["acknowledged_writes_survive_a_crash"] = False
-            d["verdict"] = f"{'; '.join(why)} (since the store opened); not safe for effects"
+            # the cluster's warning stays first: a recheck's verdict dropped it (review)
+            d["verdict"] = (
+                f"{self._cluster_warning}{'; '.join(why)} (since the store opened); not safe "
+                "for effects"
+            )
         elif self._judged_at_open is not None:
             d["acknowledged_writes_survive_a_crash"], d["verdict"] = self._judged_at_open
             self._judged_at_open = None
@@ -1217,10 +1222,11 @@ class RedisStore(FenceStore):
             "lost so lets an effect run twice"
         )
         if self.allow_cluster:
-            d["verdict"] = (
+            self._cluster_warning = (
                 f"CLUSTER {d['cluster'].upper()} (opened with allow_cluster): {why}; never "
-                f"migrate the slot of {self._p} while a store runs. {d['verdict']}"
+                f"migrate the slot of {self._p} while a store runs. "
             )
+            d["verdict"] = self._cluster_warning + d["verdict"]
             return
         raise StoreUnavailable(
             f"refusing to open the Redis store at {mask_url(self._url)}: {why}. Use a "
