@@ -47,8 +47,9 @@ Cluster: every key of a prefix lives in one hash slot, and the store talks to th
 its URL names, following no redirect. While that slot migrates, a script that wrote and then
 touched a key not (or no longer) on the node fails halfway, its first writes applied (a
 commit deleted the record in flight, and an identical call was admitted again once the
-reshard ended; found by review). So the store refuses a server in cluster mode (or one whose
-mode cannot be read) unless told ``allow_cluster``, and then says so in the verdict.
+reshard ended; found by review; ``put`` no longer deletes first, but the scripts are not
+proven safe through a migration). So the store refuses a server in cluster mode (or one
+whose mode cannot be read) unless told ``allow_cluster``, and then says so in the verdict.
 
 Errors: no connection, or a server that refused a command before running it (READONLY
 after a failover, OOM, LOADING, BUSY, MISCONF, NOREPLICAS, CLUSTERDOWN, TRYAGAIN,
@@ -192,7 +193,10 @@ local function at(domain)
 end
 -- write a whole record, its expiry (at reclaim_at) and its reclaim index entry
 local function put(key, intent, r)
-    redis.call('DEL', key)
+    -- every field is written, so only the old TTL needs clearing: PERSIST, not DEL. In a
+    -- cluster whose slot migrates, the key DEL removed counted as not on this node, and the
+    -- HSET after it failed halfway through a commit, the record lost (found by review)
+    redis.call('PERSIST', key)
     redis.call('HSET', key, 'state', r.state, 'token', r.token, 'fingerprint', r.fingerprint,
         'domain', r.domain, 'agent', r.agent, 'lease_until', fmt(r.lease_until),
         'cert', r.cert, 'until', fmt(r['until']), 'reason', r.reason, 'since', fmt(r.since),
