@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -254,6 +255,41 @@ def test_with_tokens_every_page_needs_them(fence: EffectFence) -> None:
         assert status == 200 and json.loads(out)["audit"]["who"] == "ops (console)"
     finally:
         server.stop()
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="SIGHUP is POSIX's")
+def test_the_console_command_reloads_its_tokens_on_sighup(tmp_path: Path) -> None:
+    """The docs revoke a console token by rewriting the file and sending SIGHUP, as for
+    serve --http; the console had no handler, so SIGHUP ended it (found by review)."""
+    import json
+    import sys
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"ops {TOKEN}\n")
+    tokens.chmod(0o600)
+    db = tmp_path / "f.db"
+    EffectFence.from_url(f"sqlite:///{db}").close()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "effectfence", "console", "--store", f"sqlite:///{db}",
+         "--http", "127.0.0.1:0", "--tokens", str(tokens)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stderr is not None
+        base = json.loads(proc.stderr.readline())["url"].rstrip("/")
+        bearer = {"Authorization": f"Bearer {TOKEN}"}
+        assert call(base + "/api/intents", headers=bearer)[0] == 200
+        tokens.write_text(f"bob {TOKEN}-new\n")  # ops's token revoked
+        proc.send_signal(signal.SIGHUP)
+        said = json.loads(proc.stderr.readline())
+        assert said["event"] == "tokens_reloaded" and said["principals"] == 1, said
+        assert proc.poll() is None, "SIGHUP ended the console"
+        assert call(base + "/api/intents", headers=bearer)[0] == 401
+        new = {"Authorization": f"Bearer {TOKEN}-new"}
+        assert call(base + "/api/intents", headers=new)[0] == 200
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 def test_a_console_login_ends_with_its_token_and_its_time(

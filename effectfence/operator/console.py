@@ -42,6 +42,7 @@ import contextlib
 import html
 import json
 import secrets
+import signal
 import socket
 import sys
 import threading
@@ -829,6 +830,21 @@ def serve(
     return ConsoleServer(console, host, port)
 
 
+def _reload_on_hangup(principals: Any) -> None:
+    """SIGHUP reads the tokens file again, as ``serve --http`` does; each reload says on
+    stderr what it did. Unhandled, SIGHUP ended the console (found by review: the docs
+    send it to revoke a token)."""
+    hangup = getattr(signal, "SIGHUP", None)
+    if hangup is None:  # Windows: restart to change tokens
+        return
+
+    def reload(*_: Any) -> None:
+        print(json.dumps(principals.reload()), file=sys.stderr, flush=True)
+
+    with contextlib.suppress(ValueError):  # not the main thread (main() called in a test)
+        signal.signal(hangup, reload)
+
+
 def main(
     argv: list[str] | None = None, *, ready: Callable[[ConsoleServer], None] | None = None
 ) -> int:
@@ -890,6 +906,8 @@ def main(
         file=sys.stderr,
         flush=True,
     )
+    if principals is not None:
+        _reload_on_hangup(principals)
     if ready is not None:
         ready(server)
     server.start()
