@@ -602,6 +602,10 @@ def test_audit_is_ordered_filtered_and_followable(store: FenceStore, clock: Fake
     assert [e["reason"] for e in store.audit(limit=2)] == ["r2", "r3"]  # the newest, in order
     assert [e["reason"] for e in store.audit(intent="a")] == ["r0", "r2"]
     assert [e["reason"] for e in store.audit(intent="a", limit=1)] == ["r2"]
+    # a limit past what there is: all of it (one more than there was gave only the newest,
+    # found by a docs trial of `intents show`)
+    assert [e["reason"] for e in store.audit(intent="a", limit=3)] == ["r0", "r2"]
+    assert [e["reason"] for e in store.audit(limit=5)] == ["r0", "r1", "r2", "r3"]
     assert [e["reason"] for e in store.audit(after=ids[1])] == ["r2", "r3"]
     assert [e["reason"] for e in store.audit(after=ids[0], limit=1)] == ["r1"]
     assert [e["reason"] for e in store.audit(intent="a", after=ids[0])] == ["r2"]

@@ -474,7 +474,7 @@ class MemoryStore(FenceStore):
         if intent is not None:
             out = [e for e in out if e.get("intent") == intent]
         n = max(0, int(limit))
-        return out[:n] if after is not None else out[len(out) - n :] if n else []
+        return out[:n] if after is not None else out[max(0, len(out) - n) :] if n else []
 
     def evict_domain(self, domain: str) -> Step:
         for lk in self._locks:

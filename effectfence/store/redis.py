@@ -1815,7 +1815,7 @@ class RedisStore(FenceStore):
             if intent is None or name == intent:
                 out.append(entry_from_json(data, int(i), float(at)))
         if intent is not None:
-            out = out[:n] if after is not None else out[len(out) - n :]
+            out = out[:n] if after is not None else out[max(0, len(out) - n) :]
         return out
 
     def evict_domain(self, domain: str) -> Step:
