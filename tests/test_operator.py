@@ -167,6 +167,26 @@ def test_agent_and_age_filters_find_matches_past_the_first_limit_records(
     assert bad.value.code == 2  # refused at parse time, not a traceback after the first look
 
 
+def test_intents_show_says_when_older_audit_entries_are_left_out(fence: EffectFence) -> None:
+    """show printed the 20 newest audit entries and said nothing of older ones: 25 clears
+    showed as 20, the first five nowhere (found by a docs trial). It says so now, and
+    --audit N shows more."""
+    for n in range(25):
+        aborted(fence, 7)
+        fence.clear("charge:7", reason=f"clear {n}", who="ops")
+    code, text = run(intents.main, fence, "show", "charge:7")
+    assert code == 0 and "older audit entries not shown: the 20 newest follow" in text
+    assert "clear 24" in text and "clear 5" in text and "clear 4:" not in text
+    view = json.loads(run(intents.main, fence, "show", "charge:7", "--json")[1])
+    assert view["audit_older"] is True and len(view["audit"]) == 20
+    view = json.loads(run(intents.main, fence, "show", "charge:7", "--json", "--audit", "25")[1])
+    assert view["audit_older"] is False and [e["reason"] for e in view["audit"]] == [
+        f"clear {n}" for n in range(25)
+    ]
+    code, text = run(intents.main, fence, "show", "charge:7", "--audit", "30")
+    assert "older audit entries" not in text and "clear 0" in text
+
+
 def test_intents_show_and_clear_with_reason(fence: EffectFence) -> None:
     aborted(fence, 1)
     committed(fence, 2)
