@@ -242,6 +242,26 @@ def test_a_non_loopback_bind_without_tokens_is_refused_at_start() -> None:
         assert "listening" not in proc.stderr
 
 
+def test_a_wildcard_bind_names_an_address_that_answers(tmp_path: Path) -> None:
+    """Bound to 0.0.0.0, the listening line gave http://0.0.0.0:PORT/mcp, a URL that is
+    answered 421, and nothing said that a wildcard answers only loopback names and
+    --allow-host ones (found by a docs trial: the README's remote examples all got 421).
+    The line names the loopback URL, which answers, and says what to add."""
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"alice {TOKENS['alice']}\n")
+    tokens.chmod(0o600)
+    argv = [*SERVE, "--http", "0.0.0.0:0", "--tokens", str(tokens), "--store", "memory:"]
+    with http_server(argv) as srv:
+        line = json.loads(next(x for x in srv.lines if '"listening"' in x))
+        assert srv.url.startswith("http://127.0.0.1:") and "--allow-host" in line["note"]
+        health = srv.url.rsplit("/", 1)[0] + "/healthz"
+        assert httpx.get(health, timeout=TIMEOUT).status_code == 200
+    with http_server([*argv, "--allow-host", "fence.internal"]) as srv:
+        line = json.loads(next(x for x in srv.lines if '"listening"' in x))
+        assert "note" not in line  # the operator named the hosts
+
+
 def test_bind_and_exposure_rules() -> None:
     assert parse_bind("8080") == ("127.0.0.1", 8080)
     assert parse_bind("0.0.0.0:1") == ("0.0.0.0", 1)

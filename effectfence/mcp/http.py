@@ -322,9 +322,18 @@ def check_exposure(host: str, principals: Principals | None) -> None:
         )
 
 
+#: addresses that bind every interface: no name of theirs is known, so none is answered
+_WILDCARDS = ("0.0.0.0", "::")
+WILDCARD_NOTE = (
+    "bound to every address, but a request is answered only for the Host names it knows: "
+    "the loopback names and each --allow-host (any other Host gets 421, the DNS-rebinding "
+    "protection); add --allow-host NAME for every name or address clients use"
+)
+
+
 def _host_patterns(host: str, extra: Iterable[str]) -> list[str]:
     hosts = ["127.0.0.1:*", "localhost:*", "[::1]:*"]
-    if not is_loopback(host) and host not in ("0.0.0.0", "::"):
+    if not is_loopback(host) and host not in _WILDCARDS:
         hosts.append(f"[{host}]:*" if ":" in host else f"{host}:*")
     for h in extra:
         hosts.extend([h] if ":" in h.replace("[", "").split("]")[-1] else [h, f"{h}:*"])
@@ -805,8 +814,11 @@ async def serve_http(
     )
     sock = listen_socket(host, port)
     bound = sock.getsockname()[1]
-    shown = f"[{host}]" if ":" in host else host
-    line = {
+    wildcard = host in _WILDCARDS
+    # a wildcard is no address to call: its URL was refused 421 (found by a docs trial)
+    shown = ("[::1]" if ":" in host else "127.0.0.1") if wildcard else host
+    shown = f"[{shown}]" if ":" in shown and not shown.startswith("[") else shown
+    line: dict[str, Any] = {
         "event": "listening",
         "url": f"http://{shown}:{bound}{MCP_PATH}",
         "health": f"http://{shown}:{bound}{HEALTH_PATH}",
@@ -816,6 +828,8 @@ async def serve_http(
     }
     if console is not None:
         line["console"] = f"http://{shown}:{bound}{CONSOLE_PATH}/"
+    if wildcard and not list(allowed_hosts):
+        line["note"] = WILDCARD_NOTE
     print(json.dumps(line), file=sys.stderr, flush=True)
     config = uvicorn.Config(
         app,

@@ -741,8 +741,10 @@ class ConsoleServer(ThreadingHTTPServer):
 
     @property
     def url(self) -> str:
+        """Where to call it: a wildcard bind's loopback name (``0.0.0.0`` is answered 421)."""
         host, port = self.server_address[:2]
         name = host.decode() if isinstance(host, bytes) else str(host)
+        name = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(name, name)
         shown = f"[{name}]" if ":" in name else name
         return f"http://{shown}:{port}"
 
@@ -901,11 +903,12 @@ def main(
         print(f"effectfence console: {exc}", file=sys.stderr)
         fence.close()
         return 2
-    print(
-        json.dumps({"event": "listening", "url": server.url, "store": label}),
-        file=sys.stderr,
-        flush=True,
-    )
+    line = {"event": "listening", "url": server.url, "store": label}
+    if host in ("0.0.0.0", "::") and not args.allow_host:
+        from effectfence.mcp.http import WILDCARD_NOTE  # the same rule as serve --http's
+
+        line["note"] = WILDCARD_NOTE
+    print(json.dumps(line), file=sys.stderr, flush=True)
     if principals is not None:
         _reload_on_hangup(principals)
     if ready is not None:
