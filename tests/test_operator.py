@@ -861,3 +861,17 @@ def test_certs_file_check_does_not_print_the_files_control_characters(tmp_path: 
     export.write_text(json.dumps(body) + "\n")
     code, text = run(certs.main, None, "--file", str(export), "--verify")  # type: ignore[arg-type]
     assert code == 1 and "\x1b" not in text and "\nOK:" not in text, repr(text)
+
+
+def test_looking_at_the_default_store_makes_no_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With no store in the state directory, the operator's commands said "no store at"
+    and created nothing but the directory it would live in (found by a docs trial):
+    looking leaves the state directory as it was."""
+    state = tmp_path / "state"
+    monkeypatch.delenv("EFFECTFENCE_STORE", raising=False)
+    monkeypatch.setenv("XDG_STATE_HOME", str(state))
+    assert intents.main(["list"]) == 1 and certs.main(["order:1"]) == 1
+    assert "no store at" in capsys.readouterr().err
+    assert not state.exists()

@@ -50,7 +50,8 @@ def open_fence(url: str | None) -> EffectFence:
     (:class:`~effectfence.store.StoreMissing`)."""
     from effectfence.store import default_store_url, is_memory_url, open_store
 
-    target = default_store_url() if url is None else url
+    # looking makes no directory either (found by a docs trial)
+    target = default_store_url(create=False) if url is None else url
     config = FenceConfig(auto_sweep=False)
     if is_memory_url(target):
         return EffectFence(config)

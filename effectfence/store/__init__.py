@@ -99,16 +99,18 @@ def state_dir() -> Path:
     return Path.home() / ".local" / "state"
 
 
-def default_store_url() -> str:
+def default_store_url(*, create: bool = True) -> str:
     """The store ``serve`` and ``wrap`` use unless told otherwise: $EFFECTFENCE_STORE, else
     one SQLite file in the user's state directory, so every server a user's agents spawn
     on this host shares one ledger, and a restart forgets nothing. The directory is
-    created owner-only (0700): the file holds the ticket sealing key."""
+    created owner-only (0700): the file holds the ticket sealing key. ``create=False``
+    (looking, the operator's commands) leaves a missing directory missing."""
     env = os.environ.get(STORE_ENV, "").strip()
     if env:
         return env
     directory = state_dir() / "effectfence"
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if create:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     return sqlite_url(str(directory / "fence.db"))
 
 
