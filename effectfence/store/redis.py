@@ -275,7 +275,10 @@ return ARGV[3]
 """
 
 _CURRENT = """
--- KEYS: none  ARGV[1] prefix  ARGV[2] ''  ARGV[3] domain  -> its seq (an absent one: floor)
+-- KEYS[1] the domain's hash  KEYS[2] the fence hash (declared, not read by name: a cluster
+-- node that does not serve them redirects before the script runs, typed; undeclared, the
+-- script failed inside with an untyped error, found by review)
+-- ARGV[1] prefix  ARGV[2] ''  ARGV[3] domain  -> its seq (an absent one: floor)
 return ifmt(at(ARGV[3]))
 """
 
@@ -1398,7 +1401,8 @@ class RedisStore(FenceStore):
         return self._decode(intent, fields), float(now)
 
     def current(self, domain: str) -> int:
-        return int(self._read("current", self._s_current, (), ("", domain)))
+        keys = (self._k("d", domain), f"{self._p}:fence")
+        return int(self._read("current", self._s_current, keys, ("", domain)))
 
     def in_flight(self, domain: str) -> int:
         return int(
