@@ -260,6 +260,15 @@ def test_a_wildcard_bind_names_an_address_that_answers(tmp_path: Path) -> None:
     with http_server([*argv, "--allow-host", "fence.internal"]) as srv:
         line = json.loads(next(x for x in srv.lines if '"listening"' in x))
         assert "note" not in line  # the operator named the hosts
+    # other spellings of the wildcard bind every address too (noted by review)
+    from effectfence.operator.console import is_wildcard
+
+    assert all(is_wildcard(h) for h in ("0.0.0.0", "::", "::0", "[::]", "0"))
+    assert not any(is_wildcard(h) for h in ("127.0.0.1", "::1", "fence.internal", "10.0.0.1"))
+    spelled = [*SERVE, "--http", "0:0", "--tokens", str(tokens), "--store", "memory:"]
+    with http_server(spelled) as srv:
+        line = json.loads(next(x for x in srv.lines if '"listening"' in x))
+        assert srv.url.startswith("http://127.0.0.1:") and "--allow-host" in line["note"]
 
 
 def test_bind_and_exposure_rules() -> None:

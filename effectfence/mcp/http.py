@@ -68,6 +68,7 @@ from effectfence.errors import StoreUnavailable
 from effectfence.fence import EffectFence
 from effectfence.mcp.server import PRINCIPAL_SCOPE_KEY
 from effectfence.mcp.telemetry import Metrics
+from effectfence.operator.console import WILDCARD_NOTE, is_wildcard
 
 if TYPE_CHECKING:
     from effectfence.operator.console import Console
@@ -322,18 +323,9 @@ def check_exposure(host: str, principals: Principals | None) -> None:
         )
 
 
-#: addresses that bind every interface: no name of theirs is known, so none is answered
-_WILDCARDS = ("0.0.0.0", "::")
-WILDCARD_NOTE = (
-    "bound to every address, but a request is answered only for the Host names it knows: "
-    "the loopback names and each --allow-host (any other Host gets 421, the DNS-rebinding "
-    "protection); add --allow-host NAME for every name or address clients use"
-)
-
-
 def _host_patterns(host: str, extra: Iterable[str]) -> list[str]:
     hosts = ["127.0.0.1:*", "localhost:*", "[::1]:*"]
-    if not is_loopback(host) and host not in _WILDCARDS:
+    if not is_loopback(host) and not is_wildcard(host):
         hosts.append(f"[{host}]:*" if ":" in host else f"{host}:*")
     for h in extra:
         hosts.extend([h] if ":" in h.replace("[", "").split("]")[-1] else [h, f"{h}:*"])
@@ -814,7 +806,7 @@ async def serve_http(
     )
     sock = listen_socket(host, port)
     bound = sock.getsockname()[1]
-    wildcard = host in _WILDCARDS
+    wildcard = is_wildcard(host)
     # a wildcard is no address to call: its URL was refused 421 (found by a docs trial)
     shown = ("[::1]" if ":" in host else "127.0.0.1") if wildcard else host
     shown = f"[{shown}]" if ":" in shown and not shown.startswith("[") else shown

@@ -105,6 +105,25 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def is_wildcard(host: str) -> bool:
+    """An address that binds every interface (``0.0.0.0``, ``::``, and their spellings
+    ``0``, ``::0``...): it has no name of its own, so no Host is answered for it."""
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        return host == "0"  # what the socket layer binds as 0.0.0.0
+
+
+#: the listening line's word for a wildcard bind given no --allow-host (console and serve)
+WILDCARD_NOTE = (
+    "bound to every address, but a request is answered only for the Host names it knows: "
+    "the loopback names and each --allow-host (any other Host gets 421, the DNS-rebinding "
+    "protection); add --allow-host NAME for every name or address clients use"
+)
+
+
 def check_bind(host: str, principals: Any) -> None:
     """Refuse (ValueError) a non-loopback bind without tokens: anyone reaching the page could
     clear intents."""
@@ -121,7 +140,7 @@ def allowed_names(host: str, extra: Iterable[str] = ()) -> tuple[str, ...]:
     """The Host names (no ports) a console bound to ``host`` answers besides the loopback
     names: the bound address unless it is loopback or a wildcard, and the ``extra`` hosts
     (``name``, ``name:port`` or ``[v6]:port``)."""
-    names = [] if is_loopback(host) or host in ("0.0.0.0", "::") else [host]
+    names = [] if is_loopback(host) or is_wildcard(host) else [host]
     for h in extra:
         if h.startswith("["):
             names.append(h[: h.find("]") + 1] or h)
@@ -744,7 +763,8 @@ class ConsoleServer(ThreadingHTTPServer):
         """Where to call it: a wildcard bind's loopback name (``0.0.0.0`` is answered 421)."""
         host, port = self.server_address[:2]
         name = host.decode() if isinstance(host, bytes) else str(host)
-        name = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(name, name)
+        if is_wildcard(name):
+            name = "::1" if ":" in name else "127.0.0.1"
         shown = f"[{name}]" if ":" in name else name
         return f"http://{shown}:{port}"
 
@@ -904,9 +924,7 @@ def main(
         fence.close()
         return 2
     line = {"event": "listening", "url": server.url, "store": label}
-    if host in ("0.0.0.0", "::") and not args.allow_host:
-        from effectfence.mcp.http import WILDCARD_NOTE  # the same rule as serve --http's
-
+    if is_wildcard(host) and not args.allow_host:
         line["note"] = WILDCARD_NOTE
     print(json.dumps(line), file=sys.stderr, flush=True)
     if principals is not None:
