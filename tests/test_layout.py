@@ -68,3 +68,14 @@ def test_wrap_never_imports_mcp() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_console_never_imports_mcp() -> None:
+    """The console shares the bind rules with ``serve --http`` (``effectfence.binding``), not
+    the server: an operator's page must start without paying ~1.5 s for ``mcp``."""
+    code = (
+        "import sys, effectfence.operator.console; "
+        "print(sorted(m for m in sys.modules if m == 'mcp' or m.startswith('mcp.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

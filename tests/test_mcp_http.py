@@ -33,7 +33,14 @@ from support import sqlite_path
 
 from effectfence import EffectFence, FenceConfig
 from effectfence.errors import StoreUnavailable
-from effectfence.mcp.http import Principals, build_app, check_exposure, listen_socket, parse_bind
+from effectfence.mcp.http import (
+    Principals,
+    build_app,
+    check_exposure,
+    is_loopback,
+    listen_socket,
+    parse_bind,
+)
 from effectfence.mcp.server import HTTP_CLEARER, build_server
 from effectfence.mcp.telemetry import Metrics
 from effectfence.store.memory import MemoryStore
@@ -261,7 +268,7 @@ def test_a_wildcard_bind_names_an_address_that_answers(tmp_path: Path) -> None:
         line = json.loads(next(x for x in srv.lines if '"listening"' in x))
         assert "note" not in line  # the operator named the hosts
     # other spellings of the wildcard bind every address too (noted by review)
-    from effectfence.operator.console import is_wildcard
+    from effectfence.binding import is_wildcard
 
     assert all(is_wildcard(h) for h in ("0.0.0.0", "::", "::0", "[::]", "0"))
     assert not any(is_wildcard(h) for h in ("127.0.0.1", "::1", "fence.internal", "10.0.0.1"))
@@ -285,6 +292,26 @@ def test_bind_and_exposure_rules() -> None:
     check_exposure("0.0.0.0", principals)
     with pytest.raises(ValueError, match="refusing to serve"):
         check_exposure("0.0.0.0", None)
+
+
+def test_both_servers_judge_a_bind_by_one_rule() -> None:
+    """serve --http and the console decide "needs tokens" by the same rule: they had a
+    copy each, and the MCP server's took "[::1]" and "LOCALHOST" for remote addresses."""
+    from effectfence.operator import console
+
+    loopback = ("127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost", "LOCALHOST")
+    remote = ("0.0.0.0", "::", "10.0.0.1", "[2001:db8::1]", "fence.internal", "localhost.evil")
+    for judge in (is_loopback, console.is_loopback):
+        assert all(judge(h) for h in loopback), judge.__module__
+        assert not any(judge(h) for h in remote), judge.__module__
+    for h in loopback:
+        check_exposure(h, None)
+        console.check_bind(h, None)
+    for h in remote:
+        with pytest.raises(ValueError, match="refusing to serve"):
+            check_exposure(h, None)
+        with pytest.raises(ValueError, match="refusing to serve"):
+            console.check_bind(h, None)
 
 
 def test_tokens_file_rules(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

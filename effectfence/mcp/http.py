@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import ipaddress
 import json
 import re
 import signal
@@ -64,11 +63,11 @@ from starlette.authentication import AuthCredentials
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from effectfence.binding import WILDCARD_NOTE, is_loopback, is_wildcard
 from effectfence.errors import StoreUnavailable
 from effectfence.fence import EffectFence
 from effectfence.mcp.server import PRINCIPAL_SCOPE_KEY
 from effectfence.mcp.telemetry import Metrics
-from effectfence.operator.console import WILDCARD_NOTE, is_wildcard
 
 if TYPE_CHECKING:
     from effectfence.operator.console import Console
@@ -112,7 +111,6 @@ _HASHED = re.compile(r"sha256:([0-9a-f]{64})")
 #: {SHA256}...): read as a plain token, the hash itself would log in (found by review)
 _HASH_LABEL = re.compile(r"(?i)(\{sha[-_]?(2[-_])?256\}|sha[-_]?(2[-_])?256[^a-z0-9])")
 _HEX64 = re.compile(r"[0-9a-fA-F]{64}")
-_LOOPBACK_NAMES = ("localhost",)
 
 
 class NoTokens(ValueError):
@@ -302,15 +300,6 @@ def parse_bind(value: str) -> tuple[str, int]:
     if not host or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
         raise ValueError(f"--http {value!r}: expected [HOST:]PORT with PORT in 0-65535")
     return host, int(port_text)
-
-
-def is_loopback(host: str) -> bool:
-    if host.lower() in _LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a name may resolve anywhere
 
 
 def check_exposure(host: str, principals: Principals | None) -> None:

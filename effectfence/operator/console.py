@@ -55,6 +55,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, NamedTuple
 from urllib.parse import parse_qs, quote, urlsplit
 
+from effectfence.binding import WILDCARD_NOTE, is_loopback, is_wildcard
 from effectfence.errors import CLEAR_COMMAND, InvalidRequest, Refusal, StoreUnavailable
 from effectfence.fence import EffectFence
 from effectfence.operator.trail import (
@@ -92,36 +93,6 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 SESSION_TTL = 12 * 3600.0
 MAX_SESSIONS = 256
 SERIES = ("in_flight", "failed", "clears", "attempts", "admitted", "replayed", "commits", "aborts")
-
-
-def is_loopback(host: str) -> bool:
-    import ipaddress
-
-    if host.lower() in ("localhost",):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def is_wildcard(host: str) -> bool:
-    """An address that binds every interface (``0.0.0.0``, ``::``, and their spellings
-    ``0``, ``::0``...): it has no name of its own, so no Host is answered for it."""
-    import ipaddress
-
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_unspecified
-    except ValueError:
-        return host == "0"  # what the socket layer binds as 0.0.0.0
-
-
-#: the listening line's word for a wildcard bind given no --allow-host (console and serve)
-WILDCARD_NOTE = (
-    "bound to every address, but a request is answered only for the Host names it knows: "
-    "the loopback names and each --allow-host (any other Host gets 421, the DNS-rebinding "
-    "protection); add --allow-host NAME for every name or address clients use"
-)
 
 
 def check_bind(host: str, principals: Any) -> None:
