@@ -1126,6 +1126,7 @@ async def test_a_call_in_progress_when_the_server_is_told_to_stop_gets_its_answe
 
     import uvicorn
     from sse_starlette.sse import AppStatus
+    from sse_starlette.sse import _get_shutdown_state as sse_shutdown_state
 
     fence = EffectFence.from_url(f"sqlite:///{sqlite_path().lstrip('/')}")
     entered, go = threading.Event(), threading.Event()
@@ -1150,6 +1151,11 @@ async def test_a_call_in_progress_when_the_server_is_told_to_stop_gets_its_answe
                     await anyio.sleep(0.01)
             url = f"http://127.0.0.1:{sock.getsockname()[1]}/mcp"
             async with http_session(url) as session:
+                # listed first, as an agent does: the SDK's call_tool checks the answer
+                # against the tool's output schema, and lists the tools itself if it has
+                # not, a second request sent after the answer, to a server that has stopped
+                # listening by then (refused: ConnectError, and the SDK's transport fails)
+                await session.list_tools()
 
                 async def call() -> None:
                     try:
@@ -1167,6 +1173,16 @@ async def test_a_call_in_progress_when_the_server_is_told_to_stop_gets_its_answe
                     # (its patched handle_exit sets it; it is process-wide: reset below)
                     srv.should_exit = True
                     AppStatus.should_exit = True
+                    # the step goes on only once both have acted on their flags, each of
+                    # which polls for it: uvicorn (every 0.1 s: then its listening socket
+                    # is closed and each connection told to finish, in one step) and
+                    # sse-starlette (every 0.5 s: its watcher, once it has told every
+                    # open stream to end, is gone). Else whether the answer went out
+                    # before or after either looked was luck (a flake, with the call above)
+                    state = sse_shutdown_state()
+                    with anyio.fail_after(TIMEOUT):
+                        while state.watcher_started or any(s.is_serving() for s in srv.servers):
+                            await anyio.sleep(0.01)
                     go.set()
     finally:
         AppStatus.should_exit = False
