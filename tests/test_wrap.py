@@ -206,6 +206,53 @@ async def test_sdk_clients_of_both_eras_see_the_child_unchanged(tmp_path: Path) 
         await client.close()
 
 
+async def test_wrap_status_and_clear_reach_only_its_own_intents(tmp_path: Path) -> None:
+    """The default ledger is shared by every wrapper and server on the host: a client of one
+    wrapper given --allow-clear cleared another agent's failed charge by its intent, and
+    that agent's retry then ran again (found by review). Only this wrapper's intents are
+    reachable by name; the operator clears the rest with ``effectfence intents clear``."""
+    from effectfence import EffectFence, EffectRequest
+
+    store = f"sqlite:///{tmp_path.as_posix().lstrip('/')}/shared.db"
+    other = EffectFence.from_url(store)
+    adm = other.prepare(EffectRequest("charge:order-1", "order:1", "charge", {"c": 5}, "billing"))
+    other.abort(adm.ticket, "gateway timeout")
+    other.close()
+    lg = tmp_path / "ledger.jsonl"
+    argv = wrap(store, *CHILD, extra=("--allow-clear", "--namespace", "shop"))
+    client = await start(argv, WRAP_LEDGER=str(lg))
+    try:
+        await client.request("tools/list", {}, timeout=TIMEOUT)
+        foreign = (
+            "charge:order-1",  # another agent's
+            f"shop:eu:charge:{'0' * 40}",  # a namespace that extends this one's
+            "shop:crash:not-a-digest",
+        )
+        for intent in foreign:
+            for tool, extra in (
+                ("effectfence_clear", {"reason": "not mine"}),
+                ("effectfence_status_2", {}),
+            ):
+                refused = await client.call_tool(tool, {"intent": intent, **extra})
+                assert refused["structuredContent"]["code"] == "invalid_request", (tool, intent)
+                assert "not one of this wrapper's" in refused["structuredContent"]["message"]
+        # its own intents, by name, as its answers give them
+        res = await client.call_tool("crash", {"order_id": "9"}, timeout=TIMEOUT)
+        mine = marker(res)["intent"]  # type: ignore[index]
+        assert mine.startswith("shop:crash:")
+        status = await client.call_tool("effectfence_status_2", {"intent": mine})
+        assert status["structuredContent"]["state"] == "failed"
+        cleared = await client.call_tool("effectfence_clear", {"intent": mine, "reason": "checked"})
+        assert cleared["structuredContent"]["cleared"] is True
+    finally:
+        await client.close()
+    again = EffectFence.from_url(store)
+    try:
+        assert again.intent_status("charge:order-1").state == "failed"  # untouched
+    finally:
+        again.close()
+
+
 async def test_child_error_releases_crash_and_cancel_fence(tmp_path: Path) -> None:
     lg = tmp_path / "ledger.jsonl"
     client = await start(wrap("memory:", *CHILD, extra=("--allow-clear",)), WRAP_LEDGER=str(lg))

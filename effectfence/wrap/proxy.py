@@ -482,6 +482,10 @@ def _not_yet_there(argv: Sequence[str], cwd: str | None = None) -> list[str]:
     return out
 
 
+#: the digest ending every intent wrap makes (see Proxy.request_for)
+_DIGEST = re.compile(r"[0-9a-f]{40}")
+
+
 def _tool_label(name: str) -> str:
     """A tool's name in its intents and domain: the name itself when it is short ASCII,
     else its escaped, cut form and a digest of the name. The escaped form alone let
@@ -1879,12 +1883,35 @@ class Proxy:
     def _target_intent(self, args: dict[str, Any]) -> str:
         intent = args.get("intent")
         if type(intent) is str and intent:
+            if not self._in_scope(intent):
+                # the ledger is shared by every wrapper and server on the host: a client of
+                # this one cleared another agent's failed charge, whose retry then ran again
+                # (found by review)
+                raise InvalidRequest(
+                    f"intent {intent!r} is not one of this wrapper's: its intents are "
+                    f"'{self.namespace}:<tool>:<digest>' for the tools of this server. An "
+                    "operator clears any other with `effectfence intents clear`",
+                    intent=intent,
+                )
             return intent
         tool = args.get("tool")
         call_args = args.get("arguments") or {}
         if type(tool) is not str or not isinstance(call_args, dict):
             raise InvalidRequest("pass `tool` (and its `arguments`), or an `intent`")
         return self.request_for(tool, call_args, self.policy.for_tool(tool)).intent
+
+    def _in_scope(self, intent: str) -> bool:
+        """Whether ``intent`` is one :meth:`request_for` can make here: this namespace, a
+        tool's label and a digest; once the child has listed tools, the label of one of
+        them (so the intents of a namespace that extends this one, ``shop:eu`` beside
+        ``shop``, are not taken for this one's)."""
+        prefix = self.namespace + ":"
+        if not intent.startswith(prefix):
+            return False
+        label, sep, digest = intent[len(prefix) :].rpartition(":")
+        if not sep or not label or not _DIGEST.fullmatch(digest):
+            return False
+        return not self.tools or label in {_tool_label(t) for t in self.tools}
 
     def _clear_data(self, intent: str, args: dict[str, Any]) -> dict[str, Any]:
         """``effectfence_clear``: the operator's clear, with the client's reason, recorded as
