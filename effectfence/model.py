@@ -6,6 +6,7 @@ type tests the protocol needs. Pydantic models live at the boundaries (MCP, file
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
@@ -36,6 +37,10 @@ MAX_CLOCK_AGENTS = 256
 #: counter only ever grows past 2**52 by its own commits, 2**52 of them before the edge.
 MAX_KNOWN_COUNTER = 2**52
 _SEQ_MAX = 2**53 - 2  # seqs go into certificates: keep seq+1 JSON-safe (RFC 8785)
+
+
+#: a certificate's hash: lowercase hex SHA-256 (cert.py)
+_is_hash = re.compile(r"[0-9a-f]{64}").fullmatch
 
 
 class ReadSetEntry(NamedTuple):
@@ -183,10 +188,14 @@ class EffectRequest:
                 raise InvalidRequest(f"args must be a JSON object, got {type(args).__name__}")
         self.args = args
         self.read_set = _read_set(read_set) if read_set else ()
-        if parent is not None:
-            if type(parent) is not str or not parent or len(parent) > MAX_NAME_LENGTH:
-                raise InvalidRequest("parent must be a certificate hash (a non-empty string)")
-            _utf8("parent", parent)
+        if parent is not None and (type(parent) is not str or not _is_hash(parent)):
+            # anything else was written into the certificate as given, and the domain's
+            # trail failed its check from there on for good (found by review)
+            shown = repr(parent[:80]) if type(parent) is str else type(parent).__name__
+            raise InvalidRequest(
+                "parent must be a certificate hash, the 64 lowercase hex digits of a "
+                f"certificate's `hash` (an earlier certificate of this domain), got {shown}"
+            )
         self.parent = parent
         if known_clock is None or type(known_clock) is VectorClock:
             self.known_clock = known_clock

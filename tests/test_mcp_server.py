@@ -723,6 +723,10 @@ BAD_PREPARES: dict[str, dict[str, Any]] = {
     "known_clock non-int": req(known_clock={"a": "1"}),
     "known_clock negative": req(known_clock={"a": -1}),
     "empty parent": req(parent=""),
+    # written into the certificate as given, it broke the domain's trail for good
+    "parent not a hash": req(parent="oops-not-a-hash"),
+    "parent in capitals": req(parent="AB" * 32),
+    "parent too short": req(parent="0" * 63),
 }
 
 

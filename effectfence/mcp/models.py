@@ -159,8 +159,8 @@ class PrepareInput(_Input):
     )
     parent: _Name | None = Field(
         default=None,
-        description="Optional: hash of the cert this effect follows (default: the "
-        "domain's last cert).",
+        description="Optional: hash of the cert this effect follows, a certificate of "
+        "the same domain (64 lowercase hex; default: the domain's last cert).",
     )
     known_clock: dict[_Name, _Counter] | None = Field(
         default=None,
