@@ -2536,6 +2536,38 @@ def test_a_misspelt_url_option_is_named_at_once(kind: str) -> None:
     drop_pg_schema(name) if kind == "pg" else drop_redis_prefix(name)
 
 
+@pytest.mark.parametrize("kind", ["sqlite", "pg", "redis"])
+def test_an_option_given_twice_is_refused_naming_it(kind: str, tmp_path: Path) -> None:
+    """The parser kept the last copy without a word: ``synchronous=full&synchronous=normal``
+    ran at NORMAL, ``allow_eviction=false&allow_eviction=true`` allowed eviction (found by
+    review). Refused before anything is opened, connected or made."""
+    from effectfence.store import open_store
+
+    if kind == "sqlite":
+        path = tmp_path / "twice.db"
+        base, twice = f"sqlite:///{path.as_posix().lstrip('/')}", "synchronous"
+        values = ("full", "normal")
+    else:
+        need(kind)
+        base = PG_DSN if kind == "pg" else REDIS_URL
+        twice = "schema" if kind == "pg" else "allow_eviction"
+        values = (
+            (unique_name("pgtypo"), unique_name("pgtypo")) if kind == "pg" else ("false", "true")
+        )
+    sep = "&" if "?" in base else "?"
+    url = f"{base}{sep}{twice}={values[0]}&{twice}={values[1]}"
+    with pytest.raises(ValueError, match=f"option '{twice}' is given more than once"):
+        open_store(url)
+    if kind == "sqlite":
+        assert list(tmp_path.iterdir()) == []  # no file made
+    elif kind == "pg":
+        import psycopg
+
+        with psycopg.connect(PG_DSN, autocommit=True) as conn:
+            q = "SELECT count(*) FROM pg_namespace WHERE nspname = ANY(%s)"
+            assert conn.execute(q, (list(values),)).fetchone() == (0,)  # no schema made
+
+
 def test_read_sets_on_each_others_new_domains_admit_one_claim(pg: Any) -> None:
     """X claims on A reading B at 0; Y claims on B reading A at 0; neither domain has a
     row yet. In any order one comes second and must be refused read_set_stale (G6). The row

@@ -12,7 +12,7 @@ import re
 import sys
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 from effectfence.store.base import FenceStore, Head, Outcome, Step, StoreMissing
 from effectfence.store.memory import MemoryStore
@@ -154,6 +154,23 @@ def mask_url(url: str) -> str:
     if parts.fragment:
         shown += "#" + parts.fragment
     return shown
+
+
+def query_pairs(query: str, url: str, *, plus_is_plus: bool = False) -> list[tuple[str, str]]:
+    """A store URL's query as (key, value) pairs, each key given at most once (ValueError,
+    naming it). Given twice, the parser kept the last without a word, so
+    ``synchronous=full&synchronous=normal`` ran unsafe and ``allow_eviction`` could be
+    switched on behind a ``false`` (found by review). ``plus_is_plus``: a "+" stays a plus,
+    as libpq reads it, not a space."""
+    pairs = parse_qsl(query.replace("+", "%2B") if plus_is_plus else query, keep_blank_values=True)
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise ValueError(
+                f"option {key!r} is given more than once in {mask_url(url)}: give it once"
+            )
+        seen.add(key)
+    return pairs
 
 
 def redact(url: str) -> str:

@@ -60,7 +60,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
-from urllib.parse import parse_qsl, quote, urlencode, urlsplit
+from urllib.parse import quote, urlencode, urlsplit
 
 import psycopg
 import psycopg.errors
@@ -71,7 +71,7 @@ from psycopg.conninfo import conninfo_to_dict
 from effectfence.clock import HEAD_AGENTS_KEPT, MAX_HEAD_AGENTS
 from effectfence.errors import StoreUnavailable
 from effectfence.protocol import IntentRecord, State
-from effectfence.store import _fork, mask_url
+from effectfence.store import _fork, mask_url, query_pairs
 from effectfence.store._waiters import Waiters
 from effectfence.store.base import (
     APPLIED,
@@ -724,7 +724,7 @@ def _split_url(url: str) -> tuple[str, dict[str, str]]:
     # libpq reads "+" in a URL as a plus, never a space: so is it read here (parse_qsl
     # alone made it a space, which went on to libpq as %20: a password with a "+" failed
     # as "can't connect, retry later", found by review)
-    for k, v in parse_qsl(parts.query.replace("+", "%2B"), keep_blank_values=True):
+    for k, v in query_pairs(parts.query, url, plus_is_plus=True):
         if k in _OURS:
             ours[k] = v
         elif k in _libpq_keywords():

@@ -76,7 +76,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import urlencode, urlsplit, urlunsplit
 
 import hiredis
 import redis
@@ -87,7 +87,7 @@ from redis.retry import Retry
 from effectfence.clock import HEAD_AGENTS_KEPT, MAX_HEAD_AGENTS
 from effectfence.errors import StoreUnavailable
 from effectfence.protocol import IntentRecord, State
-from effectfence.store import _fork, mask_url
+from effectfence.store import _fork, mask_url, query_pairs
 from effectfence.store._waiters import Waiters
 from effectfence.store.base import (
     APPLIED,
@@ -911,7 +911,7 @@ class RedisStore(FenceStore):
         parts = urlsplit(url)
         ours: dict[str, Any] = {}
         theirs: list[tuple[str, str]] = []
-        for k, v in parse_qsl(parts.query, keep_blank_values=True):
+        for k, v in query_pairs(parts.query, url):
             if k not in _OURS and k not in _redis_py_options():
                 # redis-py took it as a keyword and raised a raw TypeError (review)
                 raise ValueError(

@@ -63,12 +63,12 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
-from urllib.parse import parse_qsl, unquote
+from urllib.parse import unquote
 
 from effectfence.clock import merge_head
 from effectfence.errors import StoreUnavailable
 from effectfence.protocol import IntentRecord, State
-from effectfence.store import _fork, sqlite_url
+from effectfence.store import _fork, query_pairs, sqlite_url
 from effectfence.store.base import (
     APPLIED,
     BUSY,
@@ -585,7 +585,7 @@ def _parse_url(url: str) -> tuple[str, dict[str, str]]:
         path = os.path.expanduser(path)
     else:
         path = "/" + path.lstrip("/")
-    return path, dict(parse_qsl(query, keep_blank_values=True))
+    return path, dict(query_pairs(query, url))
 
 
 class SQLiteStore(FenceStore):
