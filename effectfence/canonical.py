@@ -879,13 +879,16 @@ def json_loads(data: bytes | str) -> Any:
         raise ValueError("JSON is nested deeper than the interpreter's stack allows") from None
     long = _long_digits_s(data) if isinstance(data, str) else _long_digits_b(data)
     if long is not None:
-        value = _floats_back(value)
+        value = floats_back(value)
     return value
 
 
-def _floats_back(value: Any) -> Any:
+def floats_back(value: Any) -> Any:
     """``value`` (freshly decoded, ours to change) with every int outside the safe range
-    replaced by its float. Iterative: decoded JSON may be nested past the stack."""
+    replaced by its float: canonical JSON writes an integral double without a fraction, so
+    any JSON parser reads 1e16 back as an int, which the encoder refuses (see
+    :func:`json_loads`). For JSON another parser read (an MCP client's arguments).
+    Iterative: decoded JSON may be nested past the stack."""
     t = type(value)
     if t is int:
         return value if _MIN_SAFE <= value <= MAX_SAFE_INTEGER else float(value)

@@ -508,6 +508,23 @@ def _happened_before(a: Mapping[str, int], b: Mapping[str, int]) -> bool:
     )
 
 
+def out_of_line(certs: Sequence[EffectCert]) -> tuple[int, str] | None:
+    """The first certificate that is not of the first one's domain or does not come after
+    the one before it in seq order, with why; None when every one is in line. A chain is
+    one domain's certificates in the order the fence admitted them: fence_verify took
+    certificates of two domains, or one twice, for a sound chain that ``certs --verify``
+    refused (found by review), so both judge by this."""
+    if not certs:
+        return None
+    domain = certs[0].domain
+    for i, cert in enumerate(certs):
+        if cert.domain != domain:
+            return i, f"seq {cert.seq} belongs to domain {cert.domain!r}, not {domain!r}"
+        if i and cert.seq <= certs[i - 1].seq:
+            return i, f"seq {cert.seq} comes after seq {certs[i - 1].seq}: not in seq order"
+    return None
+
+
 def verify_chain(
     certs: Sequence[EffectCert],
     *,
@@ -516,7 +533,8 @@ def verify_chain(
 ) -> ChainReport:
     """Check a domain's certificates, in seq order (the order the fence admitted them).
 
-    Fails (``ok`` False, ``broken_at`` the first bad index) when a certificate does not
+    Fails (``ok`` False, ``broken_at`` the first bad index) when a certificate is out of
+    line (:func:`out_of_line`: another domain, or not after the one before it), does not
     verify (an edited field or hash), or when its parent is neither ``root`` (the head the
     chain starts from; by default the first certificate's parent) nor the hash of an
     earlier certificate of the chain (a broken or forged link). ``outside``: hashes of
@@ -535,6 +553,9 @@ def verify_chain(
     n = len(certs)
     if not n:
         return ChainReport(True, 0)
+    stray = out_of_line(certs)
+    if stray is not None:
+        return ChainReport(False, n, stray[0], f"certificate {stray[0]}: {stray[1]}")
     known: set[str | None] = {certs[0].parent if root is _FIRST_PARENT else root, *outside}
     clocks: list[dict[str, int]] = []
     unseen: list[int] = []  # earlier certificates that not every later one has seen

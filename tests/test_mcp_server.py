@@ -862,6 +862,42 @@ async def test_verify_detects_tampering_and_broken_chains() -> None:
         refusal(both, "invalid_request")
 
 
+async def test_verify_judges_a_chain_as_the_trail_check_does() -> None:
+    """fence_verify called certificates of two domains, and one certificate twice, a sound
+    chain, which ``certs --verify`` refused (found by review); and it refused a genuine,
+    recorded certificate whose args held 1e16, once a client's JSON parser had read the
+    canonical ``10000000000000000`` back as an int."""
+    import json
+
+    from effectfence.canonical import canonical_bytes
+    from effectfence.operator.trail import check_trail
+
+    async with connect(build_server()) as client:
+        certs = []
+        for i, domain in enumerate(("order:1", "order:2")):
+            t = ok(await prepare(client, intent=f"pay:{i}", domain=domain))["prepared"]
+            done = ok(await client.call_tool("fence_commit", {"prepared": t, "result": i}))
+            certs.append(done["cert"])
+        for chain, why in (
+            ([certs[0], certs[1]], "belongs to domain 'order:2'"),
+            ([certs[0], certs[0]], "not in seq order"),
+        ):
+            verdict = ok(await client.call_tool("fence_verify", {"chain": chain}))
+            assert verdict["ok"] is False and verdict["broken_at"] == 1, verdict
+            assert why in verdict["reason"]
+            trail = check_trail([EffectCert.from_dict(c) for c in chain])
+            assert not trail.ok and why in trail.reason  # one rule, one verdict
+
+        t = ok(await prepare(client, intent="big", domain="order:3", args={"amount": 1e16}))
+        done = ok(await client.call_tool("fence_commit", {"prepared": t["prepared"], "result": 1}))
+        read_back = json.loads(canonical_bytes(done["cert"]))  # any JSON parser's reading
+        assert read_back["args"]["amount"] == 10**16 and type(read_back["args"]["amount"]) is int
+        one = ok(await client.call_tool("fence_verify", {"cert": read_back}))
+        assert one["ok"] is True and one["recorded"] is True, one
+        chain = ok(await client.call_tool("fence_verify", {"chain": [read_back]}))
+        assert chain["ok"] is True, chain
+
+
 async def test_an_idle_server_sweeps_expired_records() -> None:
     # Leases and results are judged by the fence's (fake) clock; only the sweeper's own
     # pace is real time. With real-time TTLs a slow moment between prepare and commit

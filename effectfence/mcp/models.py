@@ -377,8 +377,9 @@ class VerifyInput(_Input):
     chain: list[CertModel] | None = Field(
         default=None,
         max_length=MAX_VERIFY_CHAIN,
-        description="Certificates in order (at most 1,000; `effectfence certs --verify` checks "
-        "a whole trail); each one's parent must be the previous one's hash.",
+        description="One domain's certificates in seq order (at most 1,000; `effectfence "
+        "certs --verify` checks a whole trail, by the same rule); each one's parent must be "
+        "an earlier one's hash (the previous one's, unless attempts overlapped).",
     )
 
 

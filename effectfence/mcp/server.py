@@ -69,6 +69,7 @@ from mcp_types import CallToolResult, TextContent, ToolAnnotations
 from pydantic import BaseModel, ValidationError
 
 from effectfence import __version__
+from effectfence.canonical import floats_back
 from effectfence.cert import EffectCert, verify_chain
 from effectfence.counters import backend_info
 from effectfence.driver import Offloader, release_aside, release_riding_blips
@@ -211,8 +212,8 @@ which counter table (C11 atomic or pure Python) runs. Read-only."""
 
 _VERIFY_DESC = """\
 Check certificates by recomputing their hashes: pass `cert` (one certificate, as a commit or
-replay returned it) or `chain` (certificates in order; each parent must be the previous hash).
-ok=false names what failed. Read-only; runs nothing."""
+replay returned it) or `chain` (one domain's certificates in seq order; each parent an
+earlier one's hash). ok=false names what failed. Read-only; runs nothing."""
 
 _CLEAR_DESC = """\
 OPERATOR ONLY. Forget one intent (done, failed, or in flight), so a later fence_prepare
@@ -777,7 +778,7 @@ class _FenceTools:
         else:
             assert req.chain is not None
             try:
-                certs = [EffectCert.from_dict(c.model_dump()) for c in req.chain]
+                certs = [EffectCert.from_dict(floats_back(c.model_dump())) for c in req.chain]
             except InvalidRequest as exc:
                 out = VerifyOutput(ok=False, kind="chain", length=len(req.chain), reason=str(exc))
             else:
@@ -795,7 +796,9 @@ class _FenceTools:
 
     def _verify_one(self, model: CertModel) -> VerifyOutput:
         try:
-            cert = EffectCert.from_dict(model.model_dump())
+            # read by the client's JSON parser: a float such as 1e16, written without a
+            # fraction as canonical JSON writes it, came back an int (found by review)
+            cert = EffectCert.from_dict(floats_back(model.model_dump()))
         except InvalidRequest as exc:
             return VerifyOutput(ok=False, kind="cert", length=1, reason=str(exc), recorded=False)
         if not cert.verify():

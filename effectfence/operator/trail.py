@@ -19,7 +19,7 @@ from typing import Any
 
 from effectfence.canonical import json_loads
 from effectfence.cert import _FIRST_PARENT as FIRST_PARENT
-from effectfence.cert import MAX_OPEN_OVERLAPS, EffectCert, verify_chain
+from effectfence.cert import MAX_OPEN_OVERLAPS, EffectCert, out_of_line, verify_chain
 from effectfence.errors import InvalidRequest
 from effectfence.store.base import FenceStore
 
@@ -252,11 +252,9 @@ def check_trail(
         line = None if lines is None else lines[i]
         return replace(found, ok=False, broken_at_seq=seqs[i], broken_at_line=line, reason=reason)
 
-    for i, c in enumerate(certs):
-        if c.domain != domain:
-            return broken(i, f"seq {c.seq} belongs to domain {c.domain!r}, not {domain!r}")
-        if i and c.seq <= seqs[i - 1]:
-            return broken(i, f"seq {c.seq} comes after seq {seqs[i - 1]}: not in seq order")
+    stray = out_of_line(certs)
+    if stray is not None:
+        return broken(*stray)
     report = verify_chain(certs, outside=outside, root=root)  # type: ignore[arg-type]
     pairs = getattr(report, "concurrent", ())  # reported by the DAG-aware chain check
     found = replace(
