@@ -314,6 +314,31 @@ def test_both_servers_judge_a_bind_by_one_rule() -> None:
             console.check_bind(h, None)
 
 
+def test_serve_refused_for_a_port_in_use_makes_no_store(tmp_path: Path) -> None:
+    """It opened the store before it listened: refused, it left a whole store file (the
+    default ledger's directory too, with no --store; found by review)."""
+    import os
+
+    taken = listen_socket("127.0.0.1", 0)
+    try:
+        port = taken.getsockname()[1]
+        env = {**os.environ, "EFFECTFENCE_STORE": "", "XDG_STATE_HOME": str(tmp_path / "state")}
+        for store in ([], ["--store", f"sqlite:///{tmp_path.as_posix().lstrip('/')}/r.db"]):
+            out = subprocess.run(
+                [*SERVE, *store, "--http", f"127.0.0.1:{port}"],
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=120,
+            )
+            assert out.returncode == 1 and "cannot listen on" in out.stderr, out.stderr
+            assert "Traceback" not in out.stderr
+    finally:
+        taken.close()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_tokens_file_rules(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     p = Principals.parse(f"alice {TOKENS['alice']}\n# c\n\nbob sha256:{'a' * 64}\n")
     assert p.names == {"alice", "bob"} and "alice-0123" not in repr(p)

@@ -206,6 +206,32 @@ async def test_sdk_clients_of_both_eras_see_the_child_unchanged(tmp_path: Path) 
         await client.close()
 
 
+def test_wrap_refused_for_a_server_it_cannot_start_makes_no_store(tmp_path: Path) -> None:
+    """It opened the store before it started the server: refused, it left a whole store
+    file, or the default ledger's directory and file (found by review)."""
+    import os
+
+    state = tmp_path / "state"
+    env = {**os.environ, "EFFECTFENCE_STORE": "", "XDG_STATE_HOME": str(state)}
+    db = f"sqlite:///{tmp_path.as_posix().lstrip('/')}/w.db"
+    for store, server, why in (
+        ([], "/nonexistent/server", "No such file or directory"),
+        (["--store", db], "no-such-command-effectfence", "No such file or directory"),
+        (["--store", db], str(tmp_path), "Permission denied"),  # a directory
+    ):
+        out = subprocess.run(
+            [sys.executable, "-m", "effectfence", "wrap", *store, "--", server],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+        assert out.returncode == 1, out.stderr
+        assert f"can't start {server!r}: {why}" in out.stderr and "Traceback" not in out.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 async def test_wrap_status_and_clear_reach_only_its_own_intents(tmp_path: Path) -> None:
     """The default ledger is shared by every wrapper and server on the host: a client of one
     wrapper given --allow-clear cleared another agent's failed charge by its intent, and

@@ -778,10 +778,13 @@ async def serve_http(
     principals: Principals | None = None,
     allowed_hosts: Iterable[str] = (),
     console: Console | None = None,
+    sock: socket.socket | None = None,
 ) -> None:
     """Serve until interrupted. Once the socket listens, one JSON line on stderr says where
     (``{"event": "listening", "url": ...}``; with port 0 it names the port picked). With a
-    ``console``, it is served at ``/console`` and sampled while the server runs."""
+    ``console``, it is served at ``/console`` and sampled while the server runs. ``sock``:
+    a socket :func:`listen_socket` made for ``host``/``port`` already (``serve`` listens
+    before it opens the store, so a port in use makes nothing)."""
     import uvicorn
 
     app = build_app(
@@ -793,7 +796,8 @@ async def serve_http(
         allowed_hosts=allowed_hosts,
         console=console,
     )
-    sock = listen_socket(host, port)
+    if sock is None:
+        sock = listen_socket(host, port)
     bound = sock.getsockname()[1]
     wildcard = is_wildcard(host)
     # a wildcard is no address to call: its URL was refused 421 (found by a docs trial)

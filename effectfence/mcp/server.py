@@ -1157,6 +1157,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.store is not None and not args.store.strip():
         # an unset shell variable, say: never the shared default ledger by accident
         parser.error("--store is empty: give a store URL, or leave --store out for the default")
+    listening = None
+    if bind is not None:
+        from effectfence.mcp import http
+
+        # before the store: a port in use refused the command after it had made a whole
+        # store file (found by review); SystemExit with one line if it cannot listen
+        listening = http.listen_socket(*bind)
     store_url = args.store or default_store_url()
     try:
         config = FenceConfig(lease_ttl=args.lease_ttl, result_ttl=args.result_ttl)
@@ -1164,8 +1171,12 @@ def main(argv: list[str] | None = None) -> int:
         signer = TicketSigner.for_store(fence.store)
     except ValueError as exc:
         hint = f" (check {TICKET_KEY_ENV})" if "key" in str(exc) else ""
+        if listening is not None:
+            listening.close()
         parser.error(f"{exc}{hint}")
     except (StoreUnavailable, RuntimeError, OSError) as exc:  # one line, not a traceback
+        if listening is not None:
+            listening.close()
         print(f"effectfence serve: can't open the store: {exc}", file=sys.stderr)
         return 1
     configure_logging(args.log_level or ("off" if bind is None else "info"))
@@ -1206,6 +1217,7 @@ def main(argv: list[str] | None = None) -> int:
                     principals=principals,
                     allowed_hosts=args.allow_host,
                     console=console,
+                    sock=listening,
                 )
             )
     except KeyboardInterrupt:

@@ -47,12 +47,14 @@ import asyncio
 import collections
 import contextlib
 import datetime
+import errno
 import functools
 import hashlib
 import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import stat
 import sys
@@ -484,6 +486,20 @@ def _not_yet_there(argv: Sequence[str], cwd: str | None = None) -> list[str]:
 
 #: the digest ending every intent wrap makes (see Proxy.request_for)
 _DIGEST = re.compile(r"[0-9a-f]{40}")
+
+
+def _unstartable(command: str) -> str | None:
+    """Why ``command`` cannot be started as the child, as the OS would say it (a name
+    looked up on PATH, a path checked where it is); None when it can be tried."""
+    if os.sep in command or (os.altsep and os.altsep in command):
+        found: str | None = command
+    else:
+        found = shutil.which(command)
+    if found is None or not os.path.exists(found):
+        return os.strerror(errno.ENOENT)
+    if os.path.isdir(found) or not os.access(found, os.X_OK):
+        return os.strerror(errno.EACCES)
+    return None
 
 
 def _tool_label(name: str) -> str:
@@ -2287,6 +2303,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     if args.store is not None and not args.store.strip():
         parser.error("--store is empty: give a store URL, or leave --store out for the default")
+    missing = _unstartable(cmd[0])
+    if missing is not None:
+        # before the store: a refused command made a whole store file (found by review)
+        _stderr(f"can't start {cmd[0]!r}: {missing}")
+        return 1
     store_url = args.store or default_store_url()  # as serve's: one ledger per host
 
     async def run() -> int:
