@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import ipaddress
 
-__all__ = ["WILDCARD_NOTE", "is_loopback", "is_wildcard"]
+__all__ = ["DEFAULT_HOST", "WILDCARD_NOTE", "is_loopback", "is_wildcard", "parse_bind"]
+
+#: where a server listens when given a port alone: this machine only
+DEFAULT_HOST = "127.0.0.1"
 
 
 def is_loopback(host: str) -> bool:
@@ -39,3 +42,21 @@ WILDCARD_NOTE = (
     "the loopback names and each --allow-host (any other Host gets 421, the DNS-rebinding "
     "protection); add --allow-host NAME for every name or address clients use"
 )
+
+
+def parse_bind(value: str, flag: str = "--http") -> tuple[str, int]:
+    """``PORT``, ``HOST:PORT`` or ``[IPV6]:PORT`` -> (host, port); host defaults to loopback.
+    ValueError naming ``flag`` for anything else (the console turned a port out of range
+    into a traceback: found by review)."""
+    value = value.strip()
+    host, port_text = DEFAULT_HOST, value
+    if value.startswith("["):
+        end = value.find("]")
+        if end < 0 or value[end + 1 : end + 2] != ":":
+            raise ValueError(f"{flag} {value!r}: expected [IPV6]:PORT")
+        host, port_text = value[1:end], value[end + 2 :]
+    elif ":" in value:
+        host, _, port_text = value.rpartition(":")
+    if not host or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ValueError(f"{flag} {value!r}: expected [HOST:]PORT with PORT in 0-65535")
+    return host, int(port_text)

@@ -376,9 +376,12 @@ def judge_ticket(
     holder = None if record is None else record.agent
     if verdict is TicketVerdict.COMMITTED:
         assert record is not None
+        # "with another result" only where one was given: an abort, release or renew of a
+        # committed ticket was told so too (found by review)
+        other = " with another result" if op == "commit" else ""
         return verdict, LeaseLost(
             f"can't {op} {intent!r}: state={row.value}, this ticket (token {token}) already "
-            "committed with another result; its certificate is in details.cert_hash",
+            f"committed{other}; its certificate is in details.cert_hash",
             intent=intent,
             state=row.value,
             token=token,

@@ -319,26 +319,36 @@ def summary(reports: Sequence[StormReport]) -> dict[str, dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.waves < 1 or args.racers < 1 or args.runs < 1 or args.amount_cents < 0:
+    if args.waves < 1 or args.racers < 1 or args.runs < 1:
         print("effectfence storm: waves, racers and runs must be >= 1", file=sys.stderr)
+        return 2
+    if args.amount_cents < 0:
+        print("effectfence storm: --amount-cents must be >= 0", file=sys.stderr)
         return 2
     tables = _tables(args.counters)
     if "atomic" in tables and AtomicCounterTable is None:
         print("effectfence storm: the atomic table needs the C extension", file=sys.stderr)
         return 2
+    out = None
+    if args.json:
+        try:  # before the run: a path it cannot write was a traceback after it (review)
+            out = open(args.json, "w", encoding="utf-8")  # noqa: SIM115 - closed below
+        except OSError as exc:
+            print(f"effectfence storm: can't write {args.json}: {exc.strerror}", file=sys.stderr)
+            return 2
     reports = run_many(args.waves, args.racers, args.store, tables, args.runs, args.amount_cents)
     print_report(reports)
     ok = all(r.ok for r in reports)
-    if args.json:
+    if out is not None:
         doc = {
             "reference_ms": REFERENCE_MS,
             "ok": ok,
             "runs": [r.to_dict() for r in reports],
             "summary": summary(reports),
         }
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(doc, fh, indent=2, sort_keys=True)
-            fh.write("\n")
+        with out:
+            json.dump(doc, out, indent=2, sort_keys=True)
+            out.write("\n")
     return 0 if ok else 1
 
 

@@ -63,7 +63,7 @@ from starlette.authentication import AuthCredentials
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from effectfence.binding import WILDCARD_NOTE, is_loopback, is_wildcard
+from effectfence.binding import DEFAULT_HOST, WILDCARD_NOTE, is_loopback, is_wildcard, parse_bind
 from effectfence.errors import StoreUnavailable
 from effectfence.fence import EffectFence
 from effectfence.mcp.server import PRINCIPAL_SCOPE_KEY
@@ -89,7 +89,6 @@ MCP_PATH = "/mcp"
 HEALTH_PATH = "/healthz"
 METRICS_PATH = "/metrics"
 CONSOLE_PATH = "/console"
-DEFAULT_HOST = "127.0.0.1"
 #: a plain token shorter than this is refused: it could be guessed
 MIN_TOKEN_LENGTH = 16
 #: sessions one principal may hold open at once. The SDK bounds all sessions together
@@ -284,22 +283,6 @@ class Principals:
     def still_names(self, key: str, name: str) -> bool:
         """Whether the token a session was made from still names ``name``."""
         return self._by_digest.get(key) == name
-
-
-def parse_bind(value: str) -> tuple[str, int]:
-    """``PORT``, ``HOST:PORT`` or ``[IPV6]:PORT`` -> (host, port); host defaults to loopback."""
-    value = value.strip()
-    host, port_text = DEFAULT_HOST, value
-    if value.startswith("["):
-        end = value.find("]")
-        if end < 0 or value[end + 1 : end + 2] != ":":
-            raise ValueError(f"--http {value!r}: expected [IPV6]:PORT")
-        host, port_text = value[1:end], value[end + 2 :]
-    elif ":" in value:
-        host, _, port_text = value.rpartition(":")
-    if not host or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
-        raise ValueError(f"--http {value!r}: expected [HOST:]PORT with PORT in 0-65535")
-    return host, int(port_text)
 
 
 def check_exposure(host: str, principals: Principals | None) -> None:

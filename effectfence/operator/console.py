@@ -55,7 +55,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, NamedTuple
 from urllib.parse import parse_qs, quote, urlsplit
 
-from effectfence.binding import WILDCARD_NOTE, is_loopback, is_wildcard
+from effectfence.binding import DEFAULT_HOST, WILDCARD_NOTE, is_loopback, is_wildcard, parse_bind
 from effectfence.errors import CLEAR_COMMAND, InvalidRequest, Refusal, StoreUnavailable
 from effectfence.fence import EffectFence
 from effectfence.operator.trail import (
@@ -80,7 +80,6 @@ __all__ = [
 
 COOKIE = "effectfence_console"
 CSRF_HEADER = "X-EffectFence-CSRF"
-DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8765
 #: how often the chart samples its counters, and how many samples it keeps
 SAMPLE_EVERY = 2.0
@@ -871,8 +870,11 @@ def main(
         except ValueError as exc:
             print(f"effectfence console: {exc}", file=sys.stderr)
             return 2
-    host, _, port_text = args.http.rpartition(":")
-    host = (host or DEFAULT_HOST).strip("[]")
+    try:
+        host, port = parse_bind(args.http)  # the rule serve --http binds by
+    except ValueError as exc:
+        print(f"effectfence console: {exc}", file=sys.stderr)
+        return 2
     try:
         fence = open_fence(args.store)
     except (ValueError, RuntimeError, StoreUnavailable) as exc:
@@ -883,7 +885,7 @@ def main(
         server = serve(
             fence,
             host=host,
-            port=int(port_text or 0),
+            port=port,
             principals=principals,
             show_payload=args.show_payload,
             who=args.who,

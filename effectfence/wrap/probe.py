@@ -109,10 +109,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--args is not JSON: {exc}")
     if not isinstance(args, dict) or opts.calls < 1:
         parser.error("--args must be a JSON object and --calls at least 1")
+    if not 0 < opts.timeout < float("inf"):  # NaN too: it timed out at once, unexplained
+        parser.error(f"--timeout must be a positive number of seconds, got {opts.timeout}")
     try:
         report = asyncio.run(probe(cmd, opts.tool, args, opts.calls, timeout=opts.timeout))
     except (OSError, RPCError, TimeoutError, ConnectionError) as exc:
-        print(f"effectfence probe: {exc or type(exc).__name__}", file=sys.stderr)
+        # a timeout's text is empty: it printed "effectfence probe: " alone (review)
+        why = str(exc) or ("no answer within --timeout" if isinstance(exc, TimeoutError) else "")
+        print(f"effectfence probe: {why or type(exc).__name__}", file=sys.stderr)
         return 2
     if opts.json:
         print(json.dumps(asdict(report)))
