@@ -796,6 +796,7 @@ class EffectFence:
             rec.lease_until,
             fp,
             args_json,
+            self.store.ticket_scope,
         )
         self._inc(self._slot_admitted)
         if takeover:
@@ -809,6 +810,7 @@ class EffectFence:
         admitted one."""
         if type(ticket) is not PreparedEffect:
             raise InvalidTicket(f"{op} takes a PreparedEffect ticket, got {type(ticket).__name__}")
+        self._check_scope(op, ticket)
         store = self.store
         try:
             rec, now = store.read(ticket.intent)
@@ -824,6 +826,20 @@ class EffectFence:
         if rec.fingerprint != self._ticket_payload(ticket)[0]:
             self._count("refused_ticket_ops")
             raise _not_admitted(op, ticket)
+
+    def _check_scope(self, op: str, ticket: PreparedEffect) -> None:
+        """Refuse a ticket another store issued: its token counts in that store, and here
+        it matched whichever attempt holds the same token (found by review: a release
+        freed another holder's intent and a duplicate ran). A ticket with no scope (built
+        by hand, or unpickled from an older version) is judged as before."""
+        scope = getattr(ticket, "scope", "")
+        if scope and scope != self.store.ticket_scope:
+            self._count("refused_ticket_ops")
+            raise InvalidTicket(
+                f"can't {op} {ticket.intent!r}: this ticket was issued by another store "
+                f"({scope.split(':', 1)[0]}), not this fence's: use the fence that prepared it",
+                intent=ticket.intent,
+            )
 
     def _ticket_payload(self, ticket: PreparedEffect) -> tuple[bytes, bytes]:
         """(fingerprint, canonical args) of the payload a ticket carries: as admitted, or
@@ -863,6 +879,7 @@ class EffectFence:
         if type(ticket) is not PreparedEffect:
             kind = type(ticket).__name__
             raise InvalidTicket(f"commit takes a PreparedEffect ticket, got {kind}")
+        self._check_scope("commit", ticket)
         intent = ticket.intent
         fp, args_json = self._ticket_payload(ticket)
         result_json = self._result_json(intent, result)

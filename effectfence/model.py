@@ -265,6 +265,7 @@ class PreparedEffect:
         "lease_until",
         "parent",
         "read_set",
+        "scope",
         "seq",
         "token",
         "tool",
@@ -287,6 +288,7 @@ class PreparedEffect:
         lease_until: float,
         fingerprint: bytes | None = None,
         args_json: bytes | None = None,
+        scope: str = "",
     ) -> None:
         self.intent = intent
         self.domain = domain
@@ -305,6 +307,11 @@ class PreparedEffect:
         self.fingerprint = fingerprint
         #: canonical bytes of ``args`` as admitted (not on the wire: recomputed from args)
         self.args_json = args_json
+        #: the issuing store's ``ticket_scope``: tokens count per store, so a ticket taken
+        #: to another store's fence matched its holder's token there and released it (found
+        #: by review). Not on the wire: a sealed ticket's MAC binds it to its store
+        #: already. "" on a ticket built by hand or opened from the wire.
+        self.scope = scope
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form (for the wire, where it is authenticated by :mod:`effectfence.tickets`)."""

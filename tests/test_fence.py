@@ -903,3 +903,30 @@ def test_from_url_refuses_what_is_not_a_url_typed(url: Any) -> None:
 
     with pytest.raises(StoreURLError):
         EffectFence.from_url(url)
+
+
+@pytest.mark.parametrize("op", ["commit", "abort", "release", "renew"])
+def test_a_ticket_taken_to_another_stores_fence_is_refused_and_changes_nothing(
+    make_fence: FenceFactory, op: str
+) -> None:
+    """Tokens count per store, so two stores hand out the same token for the same intent:
+    store 1's ticket, taken to store 2's fence, released store 2's holder, and a duplicate
+    was admitted while that holder's effect ran (found by review; SQLite, PostgreSQL and
+    Redis). A ticket knows its store; another store's fence refuses it invalid_ticket."""
+    one, two = make_fence(), make_fence()
+    req = EffectRequest("charge:7", "order:1", "charge", {"cents": 5}, "bot")
+    theirs, mine = one.prepare(req).ticket, two.prepare(req).ticket
+    before = two.intent_status("charge:7")
+    calls: dict[str, Callable[[], Any]] = {
+        "commit": lambda: two.commit(theirs, {"ok": 1}),
+        "abort": lambda: two.abort(theirs, "why"),
+        "release": lambda: two.release(theirs),
+        "renew": lambda: two.renew(theirs),
+    }
+    with pytest.raises(InvalidTicket, match="issued by another store"):
+        calls[op]()
+    after = two.intent_status("charge:7")
+    assert (after.state, after.token) == (before.state, before.token) == ("in_flight", mine.token)
+    with pytest.raises(IntentInFlight):  # no duplicate admitted
+        two.prepare(req)
+    assert two.commit(mine, {"ok": 1}).seq == mine.seq  # its own holder still commits
