@@ -893,7 +893,18 @@ class RedisStore(FenceStore):
             self.close()
             said = _refused(exc)
             if said is None and not isinstance(exc, _LOST):
-                raise
+                # the server refused what the URL asks ("DB index is out of range"): typed,
+                # not a raw driver error (a traceback from the CLI, found by review), and
+                # not worth retrying as it stands
+                raise StoreUnavailable(
+                    f"can't open the Redis store at {mask_url(self._url)}: the server "
+                    f"refused it: {exc}",
+                    operation="open",
+                    retryable=False,
+                    recover="check the URL (its database number, user and options) against "
+                    "the server's configuration",
+                    server_reply=str(exc),
+                ) from exc
             raise StoreUnavailable(
                 f"can't open the Redis store at {mask_url(self._url)}: {said or exc}",
                 operation="open",
@@ -935,6 +946,19 @@ class RedisStore(FenceStore):
         ours.update(options)
         if "client" in ours:
             return cls(**ours)
+        # the database is the path's number: redis-py read "/4x" as database 0 without a
+        # word, and a "db=" in the query won over the path's (found by review): another
+        # database is another ledger, where committed intents run again
+        db = parts.path.strip("/")
+        if parts.scheme.lower() != "unix" and db and not db.isdigit():
+            raise ValueError(
+                f"the database in {mask_url(url)} must be a number (redis://host:port/N), "
+                f"got {db!r}"
+            )
+        if db and any(k == "db" for k, _ in theirs):
+            raise ValueError(
+                f"{mask_url(url)} names the database twice, in the path and as db=: give it once"
+            )
         rest = urlunsplit((parts.scheme, parts.netloc, parts.path, urlencode(theirs), ""))
         return cls(rest, **ours)
 
