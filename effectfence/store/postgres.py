@@ -904,11 +904,25 @@ class PostgresStore(FenceStore):
             if pool is not None:
                 with contextlib.suppress(Exception):
                     pool.close()
+            why = self._why_no_connection() if isinstance(exc, psycopg_pool.PoolTimeout) else ""
             raise StoreUnavailable(
-                f"can't connect to PostgreSQL at {mask_url(self._conninfo)}: {exc}",
+                f"can't connect to PostgreSQL at {mask_url(self._conninfo)}: {exc}"
+                + (f"; the server says: {why}" if why else ""),
                 operation="open",
+                server_reply=why or None,
             ) from exc
         return pool
+
+    def _why_no_connection(self) -> str:
+        """What a connection of its own is told, once the pool has given up: the pool says
+        only "initialization incomplete", and a wrong role or a missing database was
+        reported without its cause (found by review). libpq's words name no password."""
+        try:
+            psycopg.connect(self._conninfo, autocommit=True, **self._link).close()
+        except psycopg.Error as exc:
+            text = " ".join(str(exc).split())
+            return text.split("failed: ", 1)[-1][:300]
+        return ""
 
     def _forked(self, op: str) -> None:
         """First use in a forked child. A pooled connection's socket is shared with the
