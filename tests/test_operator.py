@@ -875,3 +875,27 @@ def test_looking_at_the_default_store_makes_no_directory(
     assert intents.main(["list"]) == 1 and certs.main(["order:1"]) == 1
     assert "no store at" in capsys.readouterr().err
     assert not state.exists()
+
+
+def test_certs_output_that_cannot_be_written_is_its_own_exit_status(tmp_path: Path) -> None:
+    """A full disk ended an export in a traceback, and --verify's exit 1 could not be told
+    from a broken chain (found by review): one line, and exit 4, for both."""
+    path = tmp_path / "f.db"
+    url = f"sqlite:///{path.as_posix().lstrip('/')}"
+    fence = EffectFence.from_url(url)
+    for i in range(3):
+        t = fence.prepare(EffectRequest(f"i{i}", "order:1", "t", {"n": i}, "a")).ticket
+        fence.commit(t, {"ok": i})
+    fence.close()
+    for extra in (["--show-payload"], ["--verify"], ["--verify", "--json"]):
+        with open("/dev/full", "w") as full:
+            out = subprocess.run(
+                [sys.executable, "-m", "effectfence", "certs", "order:1", "--store", url, *extra],
+                stdout=full,
+                stderr=subprocess.PIPE,
+                text=True,
+                timeout=120,
+            )
+        assert out.returncode == certs.CANT_WRITE == 4, (extra, out.stderr)
+        assert "can't write the output: No space left on device" in out.stderr
+        assert "Traceback" not in out.stderr and "Exception ignored" not in out.stderr

@@ -2568,6 +2568,50 @@ def test_an_option_given_twice_is_refused_naming_it(kind: str, tmp_path: Path) -
             assert conn.execute(q, (list(values),)).fetchone() == (0,)  # no schema made
 
 
+def test_redis_database_in_the_url_is_read_or_refused_never_guessed() -> None:
+    """redis-py read ``/4x`` as database 0 and let ``db=0`` win over ``/4``: another
+    database is another ledger, and a committed intent ran again there (found by review).
+    A database the server has not got was a raw ResponseError (a traceback from the CLI)."""
+    need("redis")
+    from effectfence.errors import StoreUnavailable
+    from effectfence.store import open_store
+
+    base = REDIS_URL.rsplit("/", 1)[0] if REDIS_URL.count("/") > 2 else REDIS_URL
+    prefix = unique_name("t_redis")
+    for url, why in (
+        (f"{base}/4x?prefix={prefix}", "must be a number"),
+        (f"{base}/4?prefix={prefix}&db=0", "names the database twice"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            open_store(url)
+    with pytest.raises(StoreUnavailable, match="DB index is out of range") as refused:
+        open_store(f"{base}/99999?prefix={prefix}")
+    assert refused.value.retryable is False
+
+
+def test_postgres_open_says_why_it_cannot_connect() -> None:
+    """The pool reports only "initialization incomplete after N sec": a wrong role or a
+    missing database was a StoreUnavailable without its cause (found by review)."""
+    need("pg")
+    from urllib.parse import urlsplit, urlunsplit
+
+    from effectfence.errors import StoreUnavailable
+    from effectfence.store import open_store
+
+    parts = urlsplit(PG_DSN)
+    host = parts.hostname or "127.0.0.1"
+    port = parts.port or 5432
+    schema = unique_name("pgfault")
+    for netloc, path, why in (
+        (f"nobody_effectfence:pw@{host}:{port}", parts.path, 'role "nobody_effectfence"'),
+        (parts.netloc, "/no_such_db_effectfence", 'database "no_such_db_effectfence"'),
+    ):
+        url = urlunsplit((parts.scheme, netloc, path, f"schema={schema}&timeout=1", ""))
+        with pytest.raises(StoreUnavailable, match=why) as refused:
+            open_store(url)
+        assert "pw" not in str(refused.value)
+
+
 def test_read_sets_on_each_others_new_domains_admit_one_claim(pg: Any) -> None:
     """X claims on A reading B at 0; Y claims on B reading A at 0; neither domain has a
     row yet. In any order one comes second and must be refused read_set_stale (G6). The row

@@ -14,12 +14,14 @@ overlapping attempts; it never prints a payload. Exit status: 0 ok; 1 broken or 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 from effectfence.canonical import canonical_bytes
 from effectfence.cert import CERT_MAX_DEPTH
@@ -125,10 +127,54 @@ def _nothing(what: str, report: TrailReport, out: TextIO, as_json: bool) -> int:
     return NOT_FOUND
 
 
+#: exit status when the output cannot be written (0, 1 and 3 are the verdicts, 2 usage)
+CANT_WRITE = 4
+
+
+class _CantWrite(Exception):
+    """The output refused a write (a full disk, a closed pipe)."""
+
+
+class _Output:
+    """``out`` whose write errors are :class:`_CantWrite`: a full disk ended an export in a
+    traceback, and ``--verify``'s exit 1 could not be told from a broken chain (found by
+    review)."""
+
+    def __init__(self, out: TextIO) -> None:
+        self._out = out
+
+    def write(self, text: str) -> int:
+        try:
+            return self._out.write(text)
+        except OSError as exc:
+            raise _CantWrite(exc.strerror or str(exc)) from exc
+
+    def flush(self) -> None:
+        try:
+            self._out.flush()
+        except OSError as exc:
+            raise _CantWrite(exc.strerror or str(exc)) from exc
+
+
 def main(
     argv: list[str] | None = None, *, fence: EffectFence | None = None, out: TextIO | None = None
 ) -> int:
-    out = out or sys.stdout
+    target = out or sys.stdout
+    sink = _Output(target)
+    try:
+        code = _main(argv, fence=fence, out=cast(TextIO, sink))
+        sink.flush()  # a buffered stdout fails here, not at exit with a traceback
+        return code
+    except _CantWrite as exc:
+        print(f"effectfence certs: can't write the output: {exc}", file=sys.stderr)
+        if target is sys.stdout:
+            # what is still buffered would fail again at exit: drop it
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return CANT_WRITE
+
+
+def _main(argv: list[str] | None, *, fence: EffectFence | None, out: TextIO) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if (args.file is None) == (args.domain is None):
