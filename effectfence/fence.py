@@ -110,6 +110,8 @@ MAX_TTL = 1e9
 _MAX_MOVES = 64  # a record that moves this often under one prepare is reported in flight
 #: longest reason (and who) an operator's clear records
 MAX_CLEAR_TEXT = 4096
+#: the largest fencing token a store holds (a signed 64-bit column)
+_MAX_TOKEN = 2**63 - 1
 #: what ``clear``'s ``expect_state`` may name: a record's state, or a row of the state table
 #: as a status showed it (a lease that lapsed since, a result that expired since, is still
 #: the version looked at), and the record state each one means
@@ -1092,8 +1094,13 @@ class EffectFence:
             raise InvalidRequest(
                 f"expect_state must be one of {sorted(_EXPECTABLE)}", intent=intent
             )
-        if expect_token is not None and (type(expect_token) is not int or expect_token < 0):
-            raise InvalidRequest("expect_token must be a token: an int >= 0", intent=intent)
+        if expect_token is not None and (
+            type(expect_token) is not int or not 0 <= expect_token <= _MAX_TOKEN
+        ):
+            # past the stores' 64-bit tokens it was "moved, retry" (found by review)
+            raise InvalidRequest(
+                f"expect_token must be a token: an int in 0..{_MAX_TOKEN}", intent=intent
+            )
         if type(reason) is not str or not reason.strip() or len(reason) > MAX_CLEAR_TEXT:
             raise InvalidRequest(
                 f"a clear needs a reason: a non-empty string of at most {MAX_CLEAR_TEXT} chars",

@@ -67,3 +67,15 @@ def test_a_committed_ticket_is_not_told_it_gave_another_result(op: str) -> None:
     with pytest.raises(LeaseLost) as recommit:
         fence.commit(ticket, {"ok": False})
     assert "already committed with another result" in recommit.value.message
+
+
+def test_a_clear_expecting_a_token_no_store_can_hold_is_invalid_request() -> None:
+    """Past the stores' 64-bit tokens it was refused intent_in_flight, retryable, as if the
+    record had moved (found by review)."""
+    from effectfence.errors import InvalidRequest
+
+    fence = EffectFence()
+    fence.prepare(EffectRequest("pay:2", "acct:1", "charge", {"c": 1}, "a"))
+    with pytest.raises(InvalidRequest, match="expect_token must be a token"):
+        fence.clear("pay:2", reason="checked", who="op", force=True, expect_token=2**70)
+    assert fence.intent_status("pay:2").state == "in_flight"
