@@ -141,12 +141,23 @@ def _fresh_venv(where: Path) -> Path:
     return py
 
 
+def _child_env() -> dict[str, str]:
+    """The environment of a process run in the fresh venv: none of our settings, and no
+    PYTHONPATH (one naming the source tree, as a run from a checkout sets it, made the
+    venv import the tree, not the install)."""
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("EFFECTFENCE_") and k not in ("PYTHONPATH", "PYTHONHOME")
+    }
+
+
 def _install(
     tmp_path: Path, env_extra: dict[str, str]
 ) -> tuple[Path, subprocess.CompletedProcess[str]]:
     src = _copy_tree(tmp_path)
     py = _fresh_venv(tmp_path / "venv")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EFFECTFENCE_")}
+    env = _child_env()
     env.update(env_extra)
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
     result = subprocess.run(
@@ -163,7 +174,7 @@ def _install(
 def _backend(py: Path, cwd: Path) -> str:
     """The installed counter backend; also checks that the C accelerator came with the
     atomic table (built and used by a default fence) or stayed away with the pure one."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EFFECTFENCE_")}
+    env = _child_env()
     r = subprocess.run(
         [
             str(py),
