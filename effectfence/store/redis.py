@@ -1914,7 +1914,10 @@ class RedisStore(FenceStore):
         channel = f"{self._p}:changes".encode()
         ps: Any = None
         try:
-            ps = self._r.pubsub()  # type: ignore[no-untyped-call]
+            # through Any: redis-py 8.1 leaves pubsub() untyped and later releases type it,
+            # so an ignore here failed mypy on one or the other
+            client: Any = self._r
+            ps = client.pubsub()
             ps.subscribe(channel)
             while not self._closed:
                 msg = ps.get_message(timeout=0.25)
