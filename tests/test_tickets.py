@@ -25,18 +25,22 @@ def test_round_trip(fence: EffectFence) -> None:
     assert ticket.intent == "pay:1" and fence.commit(ticket, "ok").verify()
 
 
-def test_the_mac_is_hmac_sha256_of_scope_nul_body(fence: EffectFence) -> None:
+# a key shorter than SHA-256's 64-byte block is padded, a longer one hashed first
+@pytest.mark.parametrize("key", [b"k" * 16, b"k" * 32, bytes(range(64)), b"\xff" * 65, b"q" * 200])
+def test_the_mac_is_hmac_sha256_of_scope_nul_body(fence: EffectFence, key: bytes) -> None:
     """The wire format is shared by every process on a store (rolling upgrades included):
-    however it is computed, the MAC stays HMAC-SHA256(key, scope || NUL || body)."""
+    however it is computed, the MAC stays HMAC-SHA256(key, scope || NUL || body), and the
+    body is base64url without padding."""
     import hmac
 
-    signer = TicketSigner(b"k" * 32, scope="store-7")
+    signer = TicketSigner(key, scope="store-7")
     wire = signer.seal(fence.prepare(EffectRequest("pay:2", "acct:1", "pay", {}, "a")).ticket)
     body, mac = wire.rsplit(".", 1)
     raw = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
-    assert mac == hmac.digest(b"k" * 32, b"store-7\x00" + raw, "sha256").hex()
+    assert body == base64.urlsafe_b64encode(raw).decode().rstrip("=")
+    assert mac == hmac.digest(key, b"store-7\x00" + raw, "sha256").hex()
     assert signer.open(wire).intent == "pay:2"
-    other = TicketSigner(b"k" * 32, scope="store-8")  # another store: refused
+    other = TicketSigner(key, scope="store-8")  # another store: refused
     with pytest.raises(InvalidTicket):
         other.open(wire)
 
