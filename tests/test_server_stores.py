@@ -2612,6 +2612,34 @@ def test_postgres_open_says_why_it_cannot_connect() -> None:
         assert "pw" not in str(refused.value)
 
 
+def test_postgres_open_against_a_server_that_never_answers_takes_its_timeout_once() -> None:
+    """A server that takes the connection and never answers: the open waited its pool's
+    timeout, then for the pool's workers, then a connection of its own asked why, waiting
+    its connect_timeout again: 4 s for timeout=1 (found by review). Now the pool's own
+    last attempt says why, and the message does not claim the silent server said it."""
+    need("pg")
+    import socket
+
+    from effectfence.errors import StoreUnavailable
+    from effectfence.store import open_store
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # the kernel completes the handshakes; nothing ever answers
+    try:
+        port = silent.getsockname()[1]
+        url = f"postgresql://postgres@127.0.0.1:{port}/test?schema={unique_name('pgfault')}"
+        t0 = time.monotonic()
+        with pytest.raises(StoreUnavailable, match=r"incomplete after 2\.0 sec") as refused:
+            open_store(f"{url}&timeout=2")
+        took = time.monotonic() - t0
+    finally:
+        silent.close()
+    assert took < 3.5, f"the open took {took:.1f} s for a 2 s timeout"
+    assert "server says" not in refused.value.message
+    assert refused.value.details.get("server_reply") is None
+
+
 def test_read_sets_on_each_others_new_domains_admit_one_claim(pg: Any) -> None:
     """X claims on A reading B at 0; Y claims on B reading A at 0; neither domain has a
     row yet. In any order one comes second and must be refused read_set_stale (G6). The row

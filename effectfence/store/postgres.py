@@ -888,9 +888,11 @@ class PostgresStore(FenceStore):
     def _open_pool(self) -> psycopg_pool.ConnectionPool[Any]:
         pool_min, pool_max = self._pool_size
         pool: psycopg_pool.ConnectionPool[Any] | None = None
+        failed: list[str] = []  # what the pool's own connection attempts were told
         try:
             pool = psycopg_pool.ConnectionPool(
                 self._conninfo,
+                connection_class=_recording(failed),
                 min_size=pool_min,
                 max_size=pool_max,
                 kwargs={"autocommit": True, **self._link},
@@ -903,26 +905,23 @@ class PostgresStore(FenceStore):
         except (psycopg.Error, psycopg_pool.PoolTimeout) as exc:
             if pool is not None:
                 with contextlib.suppress(Exception):
-                    pool.close()
-            why = self._why_no_connection() if isinstance(exc, psycopg_pool.PoolTimeout) else ""
+                    # a worker may sit in a connect to a server that never answers: it ends
+                    # on its own connect_timeout, the open does not wait for it
+                    pool.close(timeout=_CLOSE_UNOPENED)
+            # The pool says only "initialization incomplete": a wrong role or a missing
+            # database was reported without its cause (found by review), and asking again
+            # on a connection of our own made an open against a hung server take its
+            # timeout twice over and more. Its last attempt's words are kept instead.
+            last = failed[-1] if failed and isinstance(exc, psycopg_pool.PoolTimeout) else ""
+            said = last.split("FATAL:", 1)[1].strip() if "FATAL:" in last else ""
             raise StoreUnavailable(
                 f"can't connect to PostgreSQL at {mask_url(self._conninfo)}: {exc}"
-                + (f"; the server says: {why}" if why else ""),
+                + (f"; the server says: {said}" if said else "")
+                + (f"; the last attempt: {last}" if last and not said else ""),
                 operation="open",
-                server_reply=why or None,
+                server_reply=said or None,
             ) from exc
         return pool
-
-    def _why_no_connection(self) -> str:
-        """What a connection of its own is told, once the pool has given up: the pool says
-        only "initialization incomplete", and a wrong role or a missing database was
-        reported without its cause (found by review). libpq's words name no password."""
-        try:
-            psycopg.connect(self._conninfo, autocommit=True, **self._link).close()
-        except psycopg.Error as exc:
-            text = " ".join(str(exc).split())
-            return text.split("failed: ", 1)[-1][:300]
-        return ""
 
     def _forked(self, op: str) -> None:
         """First use in a forked child. A pooled connection's socket is shared with the
@@ -1866,6 +1865,28 @@ class PostgresStore(FenceStore):
         listener = getattr(self, "_listener", None)
         if listener is not None:
             listener.join(timeout=2.0)
+
+
+#: seconds an open that failed waits for its pool's workers to stop
+_CLOSE_UNOPENED = 0.2
+
+
+def _recording(failed: list[str]) -> type[psycopg.Connection[Any]]:
+    """The pool's connection class, appending to ``failed`` what each failed connect was
+    told, on one line (libpq's words name no password)."""
+
+    class Recording(psycopg.Connection[Any]):
+        @classmethod
+        def connect(cls, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return super().connect(*args, **kwargs)
+            except psycopg.Error as exc:
+                text = " ".join(str(exc).split())
+                failed.append(text.split("failed: ", 1)[-1][:300])
+                del failed[:-1]  # the last is what is reported
+                raise
+
+    return Recording
 
 
 def _link_options(conninfo: str, timeout: float) -> dict[str, Any]:
