@@ -1384,3 +1384,44 @@ def _run_then_settle(main: Any, tools: Any, fence: EffectFence, intent: str) -> 
         return fence.intent_status(intent).state
     finally:
         fence.close(timeout=0)
+
+
+def test_the_request_scope_is_found_through_the_sdks_context_either_way() -> None:
+    """The principal comes from the HTTP request's scope. It is read from the private dict
+    where pydantic keeps the SDK Context's request context (the property cost ~3 us a
+    call); a context without that dict (another SDK or pydantic) goes through the public
+    property, and no request at all means no scope."""
+    from mcp.server.context import ServerRequestContext
+    from mcp.server.mcpserver import Context
+
+    from effectfence.mcp.server import _request_scope
+
+    class Request:
+        def __init__(self) -> None:
+            self.scope = {"type": "http", "effectfence.principal": "alice"}
+
+    request = Request()
+
+    real = ServerRequestContext(
+        session=None,
+        lifespan_context=None,
+        protocol_version="2025-06-18",
+        method="tools/call",
+        request=request,
+    )
+    assert _request_scope(Context(request_context=real)) == request.scope
+    assert _request_scope(Context()) is None  # a direct call: no request context
+    assert _request_scope(None) is None
+
+    class Plain:  # no pydantic private dict: the public property is asked
+        def __init__(self, rc: Any) -> None:
+            self._rc = rc
+
+        @property
+        def request_context(self) -> Any:
+            if self._rc is None:
+                raise ValueError("Context is not available outside of a request")
+            return self._rc
+
+    assert _request_scope(Plain(real)) == request.scope
+    assert _request_scope(Plain(None)) is None

@@ -308,12 +308,22 @@ def _request_scope(ctx: Context[Any, Any] | None) -> dict[str, Any] | None:
     when called directly (no request)."""
     if ctx is None:
         return None
-    try:
-        request = ctx.request_context.request
-    except ValueError:  # no request context: a direct call
-        return None
-    scope = getattr(request, "scope", None)
+    # Context.request_context reads a pydantic private attribute twice, each through
+    # BaseModel.__getattr__: ~3 us a call, more than the fence's own step on the memory
+    # store. The attribute is read once from the private dict where pydantic keeps it; the
+    # property stays the way when that dict does not hold it (another SDK or pydantic).
+    private = getattr(ctx, "__pydantic_private__", None)
+    found = private.get("_request_context", _ABSENT) if isinstance(private, dict) else _ABSENT
+    if found is _ABSENT:
+        try:
+            found = ctx.request_context
+        except ValueError:  # no request context: a direct call
+            return None
+    scope = getattr(getattr(found, "request", None), "scope", None)
     return scope if isinstance(scope, dict) else None
+
+
+_ABSENT = object()
 
 
 def _release_inline(fence: EffectFence, ticket: Any) -> BaseException | None:
