@@ -1287,17 +1287,21 @@ class EffectFence:
         """``prepare(EffectRequest(...))`` in one call; a malformed request is counted as
         an ``invalid_request`` attempt like any other refusal."""
         try:
-            request = EffectRequest(
-                intent,
-                domain,
-                tool,
-                args,
-                agent,
-                read_set=read_set,
-                parent=parent,
-                known_clock=known_clock,
-                expected_seq=expected_seq,
-            )
+            if read_set is None and parent is None and known_clock is None and expected_seq is None:
+                # the plain positional call: the one the accelerator builds in C (model.py)
+                request = EffectRequest(intent, domain, tool, args, agent)
+            else:
+                request = EffectRequest(
+                    intent,
+                    domain,
+                    tool,
+                    args,
+                    agent,
+                    read_set=read_set,
+                    parent=parent,
+                    known_clock=known_clock,
+                    expected_seq=expected_seq,
+                )
         except InvalidRequest:
             self._count("invalid_request")
             raise

@@ -605,9 +605,10 @@ class _FenceTools:
     def prepare(self, req: PrepareInput, d: Decision) -> CallToolResult:
         d.intent, d.domain = req.intent, req.domain
         agent = self._agent(req, d)
-        read_set = [
-            (e.domain, e.seq) if isinstance(e, ReadSetItem) else e for e in req.read_set or ()
-        ]
+        rs = req.read_set  # None when empty: fence.request's plain call is built in C
+        read_set = (
+            [(e.domain, e.seq) if isinstance(e, ReadSetItem) else e for e in rs] if rs else None
+        )
         t0 = time.perf_counter()
         try:
             admission = self.fence.request(
