@@ -1425,3 +1425,48 @@ def test_the_request_scope_is_found_through_the_sdks_context_either_way() -> Non
 
     assert _request_scope(Plain(real)) == request.scope
     assert _request_scope(Plain(None)) is None
+
+
+async def test_fence_tools_are_called_directly_and_other_tools_the_sdks_way() -> None:
+    """The server answers its fence tools without the SDK's per-call Context and tool
+    machinery (benchmarks/bench_mcp.py: ~4% of an HTTP call); a tool someone added to it
+    still runs the SDK's way. Fails if an SDK stops routing tools/call through the
+    handler the server overrides (every call would then take the slower way)."""
+    server = build_server()
+
+    async def added(x: int) -> dict[str, Any]:
+        """A tool of the caller's own."""
+        return {"x": x}
+
+    server.add_tool(added, name="added")
+    async with Client(server) as client:
+        fresh = await client.call_tool("fence_prepare", req("direct:1"))
+        again = await client.call_tool("fence_prepare", req("direct:1", agent="agent-b"))
+        theirs = await client.call_tool("added", {"x": 3})
+        bad = await client.call_tool("added", {"x": "three"})
+    assert fresh.structured_content is not None and fresh.structured_content["status"] == "fresh"
+    assert again.is_error and again.structured_content is not None
+    assert again.structured_content["code"] == "intent_in_flight"
+    assert theirs.structured_content == {"x": 3} and not theirs.is_error
+    assert bad.is_error  # the SDK's own argument validation, unchanged
+    assert server.fast_calls == 2  # type: ignore[attr-defined]
+
+
+async def test_a_fault_in_a_fence_tool_is_an_error_result_its_text_only_in_the_log(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A fault (not a refusal) inside a fence tool is answered as the SDK answers one: an
+    isError result naming the tool, the exception's text kept on the server's log."""
+    fence = EffectFence()
+    server = build_server(fence)
+
+    def broken(*a: Any, **kw: Any) -> Any:
+        raise RuntimeError("the secret detail")
+
+    fence.request = broken  # type: ignore[method-assign]
+    with caplog.at_level(logging.ERROR, logger="effectfence.mcp.server"):
+        async with Client(server) as client:
+            result = await client.call_tool("fence_prepare", req("fault:1"))
+    assert result.is_error and result.structured_content is None
+    assert [c.text for c in result.content] == ["Error executing tool fence_prepare"]  # type: ignore[union-attr]
+    assert "the secret detail" in caplog.text and "fence_prepare" in caplog.text

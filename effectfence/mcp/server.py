@@ -53,7 +53,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -62,10 +62,11 @@ import anyio
 import anyio.lowlevel
 import pydantic_core
 from mcp.server import MCPServer
+from mcp.server.context import ServerRequestContext
 from mcp.server.mcpserver import Context
 from mcp.server.mcpserver.tools import Tool
 from mcp.server.mcpserver.utilities.func_metadata import ArgModelBase, FuncMetadata
-from mcp_types import CallToolResult, TextContent, ToolAnnotations
+from mcp_types import CallToolRequestParams, CallToolResult, TextContent, ToolAnnotations
 from pydantic import BaseModel, ValidationError
 
 from effectfence import __version__
@@ -319,7 +320,12 @@ def _request_scope(ctx: Context[Any, Any] | None) -> dict[str, Any] | None:
             found = ctx.request_context
         except ValueError:  # no request context: a direct call
             return None
-    scope = getattr(getattr(found, "request", None), "scope", None)
+    return _scope_of(getattr(found, "request", None))
+
+
+def _scope_of(request: Any) -> dict[str, Any] | None:
+    """The ASGI scope of an HTTP request (a Starlette Request); None for no request."""
+    scope = getattr(request, "scope", None)
     return scope if isinstance(scope, dict) else None
 
 
@@ -335,10 +341,9 @@ def _release_inline(fence: EffectFence, ticket: Any) -> BaseException | None:
     return None
 
 
-def _decision(tool: str, ctx: Context[Any, Any] | None) -> Decision:
-    """A call's :class:`Decision`: the principal the HTTP gate authenticated for this
-    request (None without one), and whether it came over HTTP."""
-    scope = _request_scope(ctx)
+def _decision(tool: str, scope: dict[str, Any] | None) -> Decision:
+    """A call's :class:`Decision`: the principal the HTTP gate authenticated for the
+    request whose ASGI ``scope`` this is (None without one), and whether it came over HTTP."""
     principal = None if scope is None else scope.get(PRINCIPAL_SCOPE_KEY)
     d = Decision(tool, principal if isinstance(principal, str) else None)
     d.transport = "stdio" if scope is None else "http"
@@ -357,6 +362,8 @@ def clearer(d: Decision) -> str:
 
 
 _Op = Callable[[_In, Decision], CallToolResult]
+#: a fence tool's call: raw arguments and the request's ASGI scope (None off HTTP) to result
+_Call = Callable[[dict[str, Any], "dict[str, Any] | None"], Awaitable[CallToolResult]]
 
 
 def _tool(
@@ -369,8 +376,9 @@ def _tool(
     op: _Op[_In],
     tools: _FenceTools,
     on_invalid: Callable[[], None] | None = None,
-) -> Tool:
-    """Register ``op`` under ``name`` with the models' schemas; refusals become results.
+) -> tuple[Tool, _Call]:
+    """``op`` as a tool under ``name`` with the models' schemas, and as the call
+    :class:`_FenceServer` makes directly; refusals become results.
 
     ``on_invalid`` runs when the arguments are refused before the fence sees them (so a
     malformed fence_prepare is still counted as an attempt). Every call, answered or
@@ -380,8 +388,8 @@ def _tool(
     # keep fence_status waiting, found by review; a read never waits for a write here
     read_only = bool(annotations.read_only_hint)
 
-    async def run(arguments: dict[str, Any], ctx: Context[Any, Any] | None = None) -> Any:
-        decision = _decision(name, ctx)
+    async def call(arguments: dict[str, Any], scope: dict[str, Any] | None) -> CallToolResult:
+        decision = _decision(name, scope)
         try:
             try:
                 request = input_model.model_validate(arguments)
@@ -390,7 +398,9 @@ def _tool(
                     on_invalid()
                 raise _invalid_arguments(name, exc) from None
             if offload:
-                result = await tools.off_loop_to_the_end(op, request, decision, read_only)
+                result: CallToolResult = await tools.off_loop_to_the_end(
+                    op, request, decision, read_only
+                )
             else:
                 result = op(request, decision)
         except Refusal as refusal:
@@ -400,9 +410,12 @@ def _tool(
         tools.metrics.observe(decision)
         return result
 
+    async def run(arguments: dict[str, Any], ctx: Context[Any, Any] | None = None) -> Any:
+        return await call(arguments, _request_scope(ctx))
+
     run.__name__ = name
     meta = _RawArguments(arg_model=ArgModelBase, output_schema=_output_schema(output_model))
-    return Tool(
+    tool = Tool(
         fn=run,
         name=name,
         title=title,
@@ -413,6 +426,41 @@ def _tool(
         context_kwarg="ctx",
         annotations=annotations,
     )
+    return tool, call
+
+
+class _FenceServer(MCPServer[None]):
+    """An :class:`MCPServer` that calls its fence tools directly.
+
+    The SDK's ``tools/call`` handler builds a :class:`Context` (a pydantic model) for every
+    call, then looks the tool up, re-validates nothing (our arguments are raw) and converts
+    nothing (our results are built): inside a serving process that machinery cost ~15 us a
+    fresh ``fence_prepare``, some 4% of a call over HTTP (benchmarks/bench_mcp.py). A fence
+    tool needs only its arguments and the request's scope, so this handler passes those to
+    the tool's call; any other tool (one a caller added) takes the SDK's way. Should an SDK
+    stop calling this method, every call takes the SDK's way: slower, the same answers
+    (tests/test_mcp_server.py fails then, so it is noticed)."""
+
+    def __init__(self, *args: Any, fence_calls: dict[str, _Call], **kwargs: Any) -> None:
+        self._fence_calls = fence_calls
+        self.fast_calls = 0  # fence tool calls made directly (read by a test)
+        super().__init__(*args, **kwargs)
+
+    async def _handle_call_tool(
+        self, ctx: ServerRequestContext[None], params: CallToolRequestParams
+    ) -> Any:
+        call = self._fence_calls.get(params.name)
+        if call is None:
+            return await super()._handle_call_tool(ctx, params)
+        self.fast_calls += 1
+        try:
+            return await call(params.arguments or {}, _scope_of(ctx.request))
+        except Exception:
+            # a refusal is already a result: this is a fault, answered as the SDK answers
+            # one (its text stays on the server, in the log)
+            _log.exception("tool %r raised an unexpected exception", params.name)
+            text = f"Error executing tool {params.name}"
+            return CallToolResult(content=[TextContent(type="text", text=text)], is_error=True)
 
 
 def _annotations(
@@ -1030,14 +1078,15 @@ def build_server(
                 tools,
             )
         )
-    return MCPServer(
+    return _FenceServer(
         SERVER_NAME,
         title="effectfence",
         instructions=INSTRUCTIONS,
         version=__version__,
-        tools=registered,
+        tools=[tool for tool, _ in registered],
         lifespan=lifespan,
         log_level="WARNING",
+        fence_calls={tool.name: call for tool, call in registered},
     )
 
 
