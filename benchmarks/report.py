@@ -717,6 +717,12 @@ def _dist_rows(dist: dict[str, dict[str, float]], label: str) -> list[list[str]]
     ]
 
 
+def _verdict(met: bool | None) -> str:
+    from benchmarks.bench_mcp import verdict
+
+    return verdict(met)
+
+
 def _stdio_overhead(st: dict[str, Any]) -> str:
     """The stdio overhead as judged: the median of the rounds' paired overheads, its
     min-max, and the verdict (a ratio of medians paired different rounds: review)."""
@@ -725,7 +731,7 @@ def _stdio_overhead(st: dict[str, Any]) -> str:
     if por:
         out += f" ({pct(por['min'])}\N{EN DASH}{pct(por['max'])} over the rounds)"
     if "target_met" in st and "target" in st:
-        out += f"; target < {pct(st['target'])[1:]} {'met' if st['target_met'] else 'NOT met'}"
+        out += f"; target < {pct(st['target'])[1:]} {_verdict(st['target_met'])}"
     return out
 
 
@@ -738,8 +744,9 @@ def _http_headline(h: dict[str, Any], store: str) -> tuple[str, str]:
         "with 1 client)"
     )
     # every target of the measurement, met or not: the line said the one met alone (review)
-    over = "met" if t["overhead_met"] else "NOT met"
-    figure += f"; target < {pct(t['overhead']['limit'])[1:]} over the no-op {over}"
+    figure += f"; target < {pct(t['overhead']['limit'])[1:]} over the no-op " + _verdict(
+        t["overhead_met"]
+    )
     if t["prepares_per_s_met"] is not None:
         met = "met" if t["prepares_per_s_met"] else "NOT met"
         figure += f"; target >= {t['prepares_per_s']['limit']:,.0f}/s {met}"
@@ -758,7 +765,7 @@ def _sec_mcp_http(h: dict[str, Any], label: str) -> tuple[list[list[str]], list[
     ]
     o, por, t = h["overhead"], h["overhead_per_round"], h["targets"]
     cpu = h["cpu_ms_per_call"]
-    met = "met" if t["overhead_met"] else "NOT met"
+    met = _verdict(t["overhead_met"])
     notes = [
         f"HTTP, {label} store (`{h['store']}`): fence overhead over the no-op (p50) "
         + ", ".join(
