@@ -76,7 +76,8 @@ class TicketSigner:
         # getting it back made it ~35 us a call, against ~6 for this (measured in one
         # process beside a spinning thread); an update under 2 KiB keeps the GIL. Two hash
         # copies, not a copy of an hmac object: ~4 us less per fresh prepare inside a
-        # serving MCP process (benchmarks/bench_mcp.py), the same MAC (tests/test_tickets.py).
+        # serving MCP process (paired with the old seal in one server), the same MAC
+        # (tests/test_tickets.py).
         inner = self._inner.copy()
         inner.update(body)
         outer = self._outer.copy()
