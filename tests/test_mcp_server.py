@@ -1470,3 +1470,33 @@ async def test_a_fault_in_a_fence_tool_is_an_error_result_its_text_only_in_the_l
     assert result.is_error and result.structured_content is None
     assert [c.text for c in result.content] == ["Error executing tool fence_prepare"]  # type: ignore[union-attr]
     assert "the secret detail" in caplog.text and "fence_prepare" in caplog.text
+
+
+async def test_a_removed_fence_tool_answers_nothing_and_a_replacement_is_called() -> None:
+    """The direct calls must follow the tools the server has now: a fence_clear removed
+    with remove_tool still cleared a committed intent (whose effect then ran again), and a
+    tool put in fence_prepare's place was never called (found by review)."""
+    fence = EffectFence()
+    server = build_server(fence, allow_clear=True)
+    server.remove_tool("fence_clear")
+    server.remove_tool("fence_prepare")
+
+    async def fence_prepare(intent: str) -> dict[str, Any]:
+        """A caller's own tool under the name."""
+        return {"mine": intent}
+
+    server.add_tool(fence_prepare, name="fence_prepare")
+    adm = fence.prepare(EffectRequest("pay:1", "acct:1", "pay", {"cents": 5}, "a"))
+    assert adm.fresh
+    fence.commit(adm.ticket, {"ok": True})
+    async with Client(server) as client:
+        cleared = await client.call_tool(
+            "fence_clear", {"intent": "pay:1", "reason": "should not be reachable"}
+        )
+        theirs = await client.call_tool("fence_prepare", {"intent": "pay:1"})
+        listed = {t.name for t in (await client.list_tools()).tools}
+    assert cleared.is_error and "fence_clear" in cleared.content[0].text  # type: ignore[union-attr]
+    assert fence.intent_status("pay:1").state == "done"  # not cleared
+    assert theirs.structured_content == {"mine": "pay:1"}
+    assert "fence_clear" not in listed
+    assert server.fast_calls == 0  # type: ignore[attr-defined]

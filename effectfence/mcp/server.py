@@ -441,7 +441,9 @@ class _FenceServer(MCPServer[None]):
     stop calling this method, every call takes the SDK's way: slower, the same answers
     (tests/test_mcp_server.py fails then, so it is noticed)."""
 
-    def __init__(self, *args: Any, fence_calls: dict[str, _Call], **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, fence_calls: dict[str, tuple[Tool, _Call]], **kwargs: Any
+    ) -> None:
         self._fence_calls = fence_calls
         self.fast_calls = 0  # fence tool calls made directly (read by a test)
         super().__init__(*args, **kwargs)
@@ -449,8 +451,13 @@ class _FenceServer(MCPServer[None]):
     async def _handle_call_tool(
         self, ctx: ServerRequestContext[None], params: CallToolRequestParams
     ) -> Any:
-        call = self._fence_calls.get(params.name)
-        if call is None:
+        tool, call = self._fence_calls.get(params.name, (None, None))
+        # only while the tool registered under that name is still ours: a fence tool
+        # removed (remove_tool) answered anyway, and a removed fence_clear cleared a done
+        # intent whose effect then ran again; one put in its place was never called
+        # (found by review)
+        manager = getattr(self, "_tool_manager", None)
+        if call is None or manager is None or manager.get_tool(params.name) is not tool:
             return await super()._handle_call_tool(ctx, params)
         self.fast_calls += 1
         try:
@@ -1086,7 +1093,7 @@ def build_server(
         tools=[tool for tool, _ in registered],
         lifespan=lifespan,
         log_level="WARNING",
-        fence_calls={tool.name: call for tool, call in registered},
+        fence_calls={tool.name: (tool, call) for tool, call in registered},
     )
 
 
