@@ -2612,6 +2612,27 @@ def test_postgres_open_says_why_it_cannot_connect() -> None:
         assert "pw" not in str(refused.value)
 
 
+def test_postgres_open_names_the_servers_words_alone_when_the_url_names_hosts() -> None:
+    """A URL naming several hosts fails with one line per host: the server's FATAL was cut
+    off behind another host's line, or a refused port was given as the server's words
+    (found by review). Either order: the server's words are the FATAL alone."""
+    need("pg")
+    from urllib.parse import urlsplit
+
+    from effectfence.errors import StoreUnavailable
+    from effectfence.store import open_store
+
+    parts = urlsplit(PG_DSN)
+    real = f"{parts.hostname or '127.0.0.1'}:{parts.port or 5432}"
+    for hosts in (f"127.0.0.1:1,{real}", f"{real},127.0.0.1:1"):  # port 1: refused
+        url = f"postgresql://nobody_effectfence@{hosts}{parts.path}"
+        with pytest.raises(StoreUnavailable) as refused:
+            open_store(f"{url}?schema={unique_name('pgfault')}&timeout=1")
+        said = 'role "nobody_effectfence" does not exist'
+        assert refused.value.details["server_reply"] == said, hosts
+        assert f"the server says: {said}" in refused.value.message
+
+
 def test_postgres_open_against_a_server_that_never_answers_takes_its_timeout_once() -> None:
     """A server that takes the connection and never answers: the open waited its pool's
     timeout, then for the pool's workers, then a connection of its own asked why, waiting

@@ -912,8 +912,7 @@ class PostgresStore(FenceStore):
             # database was reported without its cause (found by review), and asking again
             # on a connection of our own made an open against a hung server take its
             # timeout twice over and more. Its last attempt's words are kept instead.
-            last = failed[-1] if failed and isinstance(exc, psycopg_pool.PoolTimeout) else ""
-            said = last.split("FATAL:", 1)[1].strip() if "FATAL:" in last else ""
+            last, said = _last_words(failed[-1] if failed else "", exc)
             raise StoreUnavailable(
                 f"can't connect to PostgreSQL at {mask_url(self._conninfo)}: {exc}"
                 + (f"; the server says: {said}" if said else "")
@@ -1881,12 +1880,23 @@ def _recording(failed: list[str]) -> type[psycopg.Connection[Any]]:
             try:
                 return super().connect(*args, **kwargs)
             except psycopg.Error as exc:
-                text = " ".join(str(exc).split())
-                failed.append(text.split("failed: ", 1)[-1][:300])
+                failed.append(str(exc))
                 del failed[:-1]  # the last is what is reported
                 raise
 
     return Recording
+
+
+def _last_words(text: str, exc: BaseException) -> tuple[str, str]:
+    """(the pool's last failed connect on one line, what a server said in it): libpq's
+    words, which name no password. A URL naming several hosts fails with one line per host:
+    each server's FATAL is the server's, the rest (a refused port, a timeout) is libpq's
+    (found by review: a refused port was reported as the server's words)."""
+    if not text or not isinstance(exc, psycopg_pool.PoolTimeout):
+        return "", ""
+    said = [ln.split("FATAL:", 1)[1].strip() for ln in text.splitlines() if "FATAL:" in ln]
+    last = " ".join(text.split()).split("failed: ", 1)[-1]
+    return last[:500], "; ".join(dict.fromkeys(said))[:300]
 
 
 def _link_options(conninfo: str, timeout: float) -> dict[str, Any]:
